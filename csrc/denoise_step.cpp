@@ -1,0 +1,93 @@
+// Argument checks and the CPU implementation of denoise_step.
+#include "denoise_step.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "checks.h"
+
+namespace dpa {
+
+static constexpr const char* kOp = "denoise_step";
+
+DenoiseConfig check_denoise_step_args(const at::Tensor& model_output, const at::Tensor& sample,
+                                      const std::optional<at::Tensor>& noise,
+                                      const at::Tensor& table, int64_t step, int64_t scheduler,
+                                      int64_t prediction_type,
+                                      std::optional<double> clip_sample_range,
+                                      bool use_clipped_model_output) {
+  check_float_tensor(sample, kOp, "sample");
+  TORCH_CHECK_VALUE(sample.numel() > 0, kOp, ": sample must be non-empty, got shape ",
+                    sample.sizes());
+  check_same_device(model_output, sample, kOp, "model_output", "sample");
+  check_same_dtype(model_output, sample, kOp, "model_output", "sample");
+  TORCH_CHECK_VALUE(model_output.sizes() == sample.sizes(), kOp, ": model_output has shape ",
+                    model_output.sizes(), " but sample has shape ", sample.sizes(),
+                    " (learned-variance outputs are not supported)");
+  if (noise.has_value()) {
+    check_same_device(*noise, sample, kOp, "noise", "sample");
+    check_same_dtype(*noise, sample, kOp, "noise", "sample");
+    TORCH_CHECK_VALUE(noise->sizes() == sample.sizes(), kOp, ": noise has shape ",
+                      noise->sizes(), " but sample has shape ", sample.sizes());
+  }
+  check_same_device(table, sample, kOp, "table", "sample");
+  TORCH_CHECK_TYPE(table.scalar_type() == at::kFloat, kOp, ": table must be float32, got ",
+                   table.scalar_type());
+  TORCH_CHECK_VALUE(table.dim() == 2 && table.size(1) == kNumStepColumns && table.size(0) > 0,
+                    kOp, ": table must have shape [num_steps, ", int(kNumStepColumns),
+                    "], got ", table.sizes());
+  TORCH_CHECK_VALUE(step >= 0 && step < table.size(0), kOp, ": step must be in [0, ",
+                    table.size(0), "), got ", step);
+  TORCH_CHECK_VALUE(scheduler == kDDPM || scheduler == kDDIM, kOp,
+                    ": scheduler must be 0 (DDPM) or 1 (DDIM), got ", scheduler);
+  TORCH_CHECK_VALUE(prediction_type >= kEpsilon && prediction_type <= kVPrediction, kOp,
+                    ": prediction_type must be 0 (epsilon), 1 (sample) or 2 (v_prediction), got ",
+                    prediction_type);
+  if (clip_sample_range.has_value()) {
+    TORCH_CHECK_VALUE(std::isfinite(*clip_sample_range) && *clip_sample_range > 0, kOp,
+                      ": clip_sample_range must be finite and > 0, got ", *clip_sample_range);
+  }
+  return DenoiseConfig{static_cast<int>(scheduler),
+                       static_cast<int>(prediction_type),
+                       clip_sample_range.has_value(),
+                       static_cast<float>(clip_sample_range.value_or(0.0)),
+                       use_clipped_model_output,
+                       noise.has_value()};
+}
+
+namespace {
+
+at::Tensor denoise_step_cpu(const at::Tensor& model_output, const at::Tensor& sample,
+                            const std::optional<at::Tensor>& noise, const at::Tensor& table,
+                            int64_t step, int64_t scheduler, int64_t prediction_type,
+                            std::optional<double> clip_sample_range,
+                            bool use_clipped_model_output) {
+  const DenoiseConfig cfg =
+      check_denoise_step_args(model_output, sample, noise, table, step, scheduler,
+                              prediction_type, clip_sample_range, use_clipped_model_output);
+  const at::Tensor m = model_output.contiguous(), s = sample.contiguous();
+  const auto n = contiguous_or_none(noise);
+  const at::Tensor row = table.select(0, step).contiguous();
+  at::Tensor out = at::empty(s.sizes(), s.options());
+  const float* c = row.data_ptr<float>();
+  DPA_DISPATCH_FLOAT_TYPES(s.scalar_type(), kOp, [&] {
+    const scalar_t* m_data = m.data_ptr<scalar_t>();
+    const scalar_t* s_data = s.data_ptr<scalar_t>();
+    const scalar_t* n_data = n.has_value() ? n->data_ptr<scalar_t>() : nullptr;
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, s.numel(), 2048, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        out_data[i] = denoise_element<scalar_t>(
+            static_cast<float>(m_data[i]), static_cast<float>(s_data[i]),
+            n_data ? static_cast<float>(n_data[i]) : 0.f, c, cfg);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpa, CPU, m) { m.impl("denoise_step", &denoise_step_cpu); }
+
+}  // namespace dpa
