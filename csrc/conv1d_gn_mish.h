@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <optional>
 
 namespace dpa {
@@ -23,5 +24,13 @@ ConvGnMishProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tenso
                                             const std::optional<at::Tensor>& gn_weight,
                                             const std::optional<at::Tensor>& gn_bias,
                                             int64_t num_groups, double eps);
+
+#ifdef DPA_WITH_CUDA
+// The CUDA implementation switches from its weight-streaming kernel to im2col + cuBLAS GEMM
+// when batch * length reaches this; adjustable (ops.set_gemm_path_min_positions) so the
+// benchmark can time both paths on one GPU.
+constexpr int64_t kDefaultGemmPathMinPositions = 256;
+extern std::atomic<int64_t> gemm_path_min_positions;
+#endif
 
 }  // namespace dpa

@@ -23,6 +23,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <limits>
 
 #include "checks.h"
@@ -123,6 +124,14 @@ __device__ void finish_group(const ConvGnMishArgs& a, int b, int g, float* scrat
     const float beta = a.gn_bias ? load_float<scalar_t>(a.gn_bias, channel) : 0.f;
     out[i] = static_cast<scalar_t>(mish((__ldcg(y + i) - mean) * rstd * gamma + beta));
   }
+}
+
+// GroupNorm + Mish over a complete pre-norm tensor, one block per (batch, group): the
+// second half of the GEMM path.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads) group_norm_mish_kernel(const ConvGnMishArgs a) {
+  __shared__ float scratch[kWarps];
+  finish_group<scalar_t>(a, blockIdx.x / a.groups, blockIdx.x % a.groups, scratch);
 }
 
 // KT: compile-time kernel size (0 = read a.kernel_size at run time).
@@ -283,6 +292,30 @@ void launch_lt(const ConvGnMishArgs& a, int lt, int cow, cudaStream_t stream) {
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// Conv as im2col + one fp32 cuBLAS GEMM: with many positions (batch * length) each weight
+// feeds enough outputs that tensor-core-free SGEMM tiling beats re-streaming the weights
+// per batch row. TF32 follows torch.backends.cuda.matmul.allow_tf32 (off by default).
+at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, const ConvGnMishProblem& p) {
+  const int64_t pad = p.kernel_size / 2;
+  const at::Tensor cols = at::constant_pad_nd(x.to(at::kFloat), {pad, pad})
+                              .unfold(2, p.kernel_size, 1)  // [B, C_in, L, K]
+                              .permute({0, 1, 3, 2})
+                              .reshape({p.batch, p.in_channels * p.kernel_size, p.length});
+  const at::Tensor w = weight.to(at::kFloat).reshape({p.out_channels, -1});
+  at::Tensor pre = at::matmul(w, cols);
+  if (bias.has_value()) pre.add_(bias->to(at::kFloat).unsqueeze(1));
+  return pre.contiguous();
+}
+
+}  // namespace
+
+// Fewest batch * length positions for which the GEMM path is taken (see bench_conv_blocks.py
+// --sweep-paths for the measurement that sets it).
+std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
+
+namespace {
+
 at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x_in, const at::Tensor& weight_in,
                                const std::optional<at::Tensor>& bias_in,
                                const std::optional<at::Tensor>& gn_weight_in,
@@ -295,8 +328,12 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x_in, const at::Tensor& weight_
   const auto bias = contiguous_or_none(bias_in), gn_weight = contiguous_or_none(gn_weight_in),
              gn_bias = contiguous_or_none(gn_bias_in);
   at::Tensor out = at::empty({p.batch, p.out_channels, p.length}, x.options());
-  at::Tensor pre = at::empty({p.batch, p.out_channels, p.length}, x.options().dtype(at::kFloat));
-  at::Tensor arrivals = at::zeros({p.batch, p.groups}, x.options().dtype(at::kInt));
+  const bool gemm_path = p.batch * p.length >= gemm_path_min_positions.load();
+  at::Tensor pre = gemm_path ? conv_as_gemm(x, weight, bias, p)
+                             : at::empty({p.batch, p.out_channels, p.length},
+                                         x.options().dtype(at::kFloat));
+  // Only the fused kernel counts arrivals; the GEMM path's normalisation needs none.
+  at::Tensor arrivals = at::zeros({gemm_path ? 0 : p.batch, p.groups}, x.options().dtype(at::kInt));
 
   const bool fast_k = p.kernel_size == 3 || p.kernel_size == 5;
   // Positions per block: the smallest of 4/8/16 that covers short sequences, 16 otherwise.
@@ -346,7 +383,11 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x_in, const at::Tensor& weight_
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
-    if (p.kernel_size == 3) {
+    if (gemm_path) {
+      group_norm_mish_kernel<scalar_t>
+          <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0, stream>>>(a);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else if (p.kernel_size == 3) {
       launch_lt<scalar_t, 3>(a, lt, cow, stream);
     } else if (p.kernel_size == 5) {
       launch_lt<scalar_t, 5>(a, lt, cow, stream);

@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "conv1d_gn_mish.h"
+
 TORCH_LIBRARY(dpa, m) {
   m.def(
       "conv1d_gn_mish(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
@@ -24,4 +26,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "Whether this build contains the CUDA implementations.");
+#ifdef DPA_WITH_CUDA
+  m.def("set_gemm_path_min_positions", [](int64_t n) {
+    TORCH_CHECK_VALUE(n >= 1, "set_gemm_path_min_positions: n must be >= 1, got ", n);
+    return dpa::gemm_path_min_positions.exchange(n);
+  }, "Sets batch * length from which conv1d_gn_mish's CUDA path uses the GEMM route; returns the old value.");
+#endif
 }

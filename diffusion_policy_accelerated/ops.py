@@ -22,6 +22,13 @@ def built_with_cuda() -> bool:
     return bool(_C.built_with_cuda())
 
 
+def set_gemm_path_min_positions(positions: int) -> int:
+    """Batch * length from which CUDA conv1d_gn_mish uses im2col + cuBLAS instead of its
+    weight-streaming kernel (set from scripts/bench_conv_blocks.py --sweep-paths); returns
+    the previous value. Process-wide; meant for benchmarking and tuning."""
+    return _C.set_gemm_path_min_positions(int(positions))
+
+
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    num_groups: int, eps: float = 1e-5) -> torch.Tensor:

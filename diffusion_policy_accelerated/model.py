@@ -1,0 +1,361 @@
+"""Diffusion Policy's `ConditionalUnet1D`, with its Conv1d -> GroupNorm -> Mish blocks fused.
+
+The module tree, constructor arguments, forward semantics and `state_dict` keys are those of
+`diffusion_policy.model.diffusion.conditional_unet1d.ConditionalUnet1D`, so checkpoints
+trained with Diffusion Policy load here with `load_state_dict(strict=True)` and give the
+same actions. Nothing here depends on einops or on the Diffusion Policy repository.
+
+The only behavioural difference is in `Conv1dBlock`: at inference time (no autograd
+needed) it runs one `dpa::conv1d_gn_mish` op instead of three PyTorch ops. Everything
+else runs as ordinary PyTorch, so training, autograd and exotic devices keep working.
+"""
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+__all__ = [
+    "SinusoidalPosEmb",
+    "Downsample1d",
+    "Upsample1d",
+    "Conv1dBlock",
+    "ConditionalResidualBlock1D",
+    "ConditionalUnet1D",
+]
+
+# dtypes the fused kernels are instantiated for; anything else (float64 above all, used to
+# check numerics) must take the PyTorch path.
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# The ops module is imported on first fused call rather than at import time, because
+# importing it loads (or, without a prebuilt binary, JIT-compiles) the C++ extension;
+# users who only want the module tree, e.g. to convert a checkpoint, should not pay that.
+_OPS = None
+_OPS_HAS_CUDA = None
+
+
+def _ops():
+    global _OPS, _OPS_HAS_CUDA
+    if _OPS is None:
+        from . import ops
+        _OPS_HAS_CUDA = bool(ops.built_with_cuda())
+        _OPS = ops
+    return _OPS
+
+
+def _fused_device_ok(device: torch.device) -> bool:
+    # A CPU-only build has no CUDA kernel registered: the op would raise, so fall back.
+    if device.type == "cpu":
+        _ops()
+        return True
+    if device.type == "cuda":
+        _ops()
+        return bool(_OPS_HAS_CUDA)
+    return False
+
+
+class SinusoidalPosEmb(nn.Module):
+    """Transformer-style timestep embedding, as Diffusion Policy computes it.
+
+    Computed in float32 (float64 for float64 input): Diffusion Policy passes integer
+    timesteps and gets float32, and timesteps in the hundreds would lose the phase
+    entirely if the product were formed in a half type.
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        half_dim = self.dim // 2
+        scale = math.log(10000) / (half_dim - 1)
+        freqs = torch.exp(torch.arange(half_dim, device=x.device, dtype=dtype) * -scale)
+        emb = x.to(dtype)[:, None] * freqs[None, :]
+        return torch.cat((emb.sin(), emb.cos()), dim=-1)
+
+
+class Downsample1d(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.Conv1d(dim, dim, 3, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class Upsample1d(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(dim, dim, 4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class _AppendDim(nn.Module):
+    """Stands in for einops' `Rearrange('batch t -> batch t 1')`.
+
+    It has no parameters, but it must occupy index 2 of `cond_encoder` so that the
+    Sequential's layout (and any code indexing into it) matches Diffusion Policy.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(-1)
+
+
+class Conv1dBlock(nn.Module):
+    """Conv1d -> GroupNorm -> Mish, fused into one op when nothing needs autograd.
+
+    The parameters stay in `self.block` (an `nn.Sequential`) so checkpoint keys are
+    `block.0.*` / `block.1.*` exactly as in Diffusion Policy.
+    """
+
+    def __init__(self, inp_channels: int, out_channels: int, kernel_size: int, n_groups: int = 8):
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv1d(inp_channels, out_channels, kernel_size, padding=kernel_size // 2),
+            nn.GroupNorm(n_groups, out_channels),
+            nn.Mish(),
+        )
+        self.use_fused_ops = True
+
+    def _can_fuse(self, x: torch.Tensor) -> bool:
+        if not self.use_fused_ops or x.dtype not in _FUSED_DTYPES:
+            return False
+        conv, norm = self.block[0], self.block[1]
+        if conv.weight.dtype != x.dtype or (
+                norm.weight is not None and norm.weight.dtype != x.dtype):
+            # Mixed dtypes only arise under autocast or a half-converted model; PyTorch
+            # defines what those mean, the kernel would only reject them.
+            return False
+        if torch.is_grad_enabled() and (
+                x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            # The fused op has no backward: keep training (and input-gradient guidance)
+            # on the differentiable path.
+            return False
+        if torch.is_autocast_enabled(x.device.type):
+            return False
+        # The kernel implements exactly the convolution this class builds; refuse anything
+        # a user may have swapped in after construction (even kernels, strides, ...).
+        if (conv.kernel_size[0] % 2 != 1 or conv.stride != (1,) or conv.dilation != (1,)
+                or conv.groups != 1 or conv.padding != (conv.kernel_size[0] // 2,)
+                or conv.padding_mode != "zeros" or not isinstance(self.block[2], nn.Mish)):
+            return False
+        return _fused_device_ok(x.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._can_fuse(x):
+            conv, norm = self.block[0], self.block[1]
+            return _ops().conv1d_gn_mish(x, conv.weight, conv.bias, norm.weight, norm.bias,
+                                         norm.num_groups, norm.eps)
+        return self.block(x)
+
+
+class ConditionalResidualBlock1D(nn.Module):
+    """Two Conv1dBlocks with FiLM conditioning in between and a residual connection."""
+
+    def __init__(self, in_channels: int, out_channels: int, cond_dim: int, kernel_size: int = 3,
+                 n_groups: int = 8, cond_predict_scale: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([
+            Conv1dBlock(in_channels, out_channels, kernel_size, n_groups=n_groups),
+            Conv1dBlock(out_channels, out_channels, kernel_size, n_groups=n_groups),
+        ])
+        # FiLM (https://arxiv.org/abs/1709.07871): with cond_predict_scale the encoder
+        # predicts a per-channel scale as well as a bias.
+        cond_channels = out_channels * 2 if cond_predict_scale else out_channels
+        self.cond_predict_scale = cond_predict_scale
+        self.out_channels = out_channels
+        self.cond_encoder = nn.Sequential(
+            nn.Mish(),
+            nn.Linear(cond_dim, cond_channels),
+            _AppendDim(),
+        )
+        self.residual_conv = (nn.Conv1d(in_channels, out_channels, 1)
+                              if in_channels != out_channels else nn.Identity())
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """x: [B, in_channels, T], cond: [B, cond_dim] -> [B, out_channels, T]."""
+        out = self.blocks[0](x)
+        embed = self.cond_encoder(cond)
+        if self.cond_predict_scale:
+            # Scale first, then bias: the channel layout of Diffusion Policy's checkpoints.
+            embed = embed.reshape(embed.shape[0], 2, self.out_channels, 1)
+            scale = embed[:, 0, ...]
+            bias = embed[:, 1, ...]
+            out = scale * out + bias
+        else:
+            out = out + embed
+        out = self.blocks[1](out)
+        return out + self.residual_conv(x)
+
+
+class ConditionalUnet1D(nn.Module):
+    """Diffusion Policy's 1-D temporal U-Net noise predictor, checkpoint-compatible.
+
+    forward(sample [B, T, input_dim], timestep, local_cond [B, T, local_cond_dim] or None,
+    global_cond [B, global_cond_dim] or None) -> [B, T, input_dim].
+
+    `use_fused_ops` (default True) switches every Conv1dBlock between the fused op and
+    the plain PyTorch ops, so the two can be compared on the same weights.
+    """
+
+    def __init__(self, input_dim: int, local_cond_dim: Optional[int] = None,
+                 global_cond_dim: Optional[int] = None, diffusion_step_embed_dim: int = 256,
+                 down_dims: Sequence[int] = [256, 512, 1024], kernel_size: int = 3,
+                 n_groups: int = 8, cond_predict_scale: bool = False):
+        super().__init__()
+        # down_dims keeps Diffusion Policy's list default (so the signature is identical);
+        # it is only ever read.
+        all_dims = [input_dim] + list(down_dims)
+        start_dim = down_dims[0]
+
+        dsed = diffusion_step_embed_dim
+        diffusion_step_encoder = nn.Sequential(
+            SinusoidalPosEmb(dsed),
+            nn.Linear(dsed, dsed * 4),
+            nn.Mish(),
+            nn.Linear(dsed * 4, dsed),
+        )
+        cond_dim = dsed + (global_cond_dim if global_cond_dim is not None else 0)
+
+        def res_block(dim_in, dim_out):
+            return ConditionalResidualBlock1D(dim_in, dim_out, cond_dim=cond_dim,
+                                              kernel_size=kernel_size, n_groups=n_groups,
+                                              cond_predict_scale=cond_predict_scale)
+
+        in_out = list(zip(all_dims[:-1], all_dims[1:]))
+
+        local_cond_encoder = None
+        if local_cond_dim is not None:
+            # [0] feeds the first down block, [1] was meant for the last up block.
+            local_cond_encoder = nn.ModuleList([
+                res_block(local_cond_dim, in_out[0][1]),
+                res_block(local_cond_dim, in_out[0][1]),
+            ])
+
+        # Registration order below follows Diffusion Policy so that state_dict() lists
+        # the keys in the same order, not only the same set.
+        mid_dim = all_dims[-1]
+        self.mid_modules = nn.ModuleList([res_block(mid_dim, mid_dim), res_block(mid_dim, mid_dim)])
+
+        down_modules = nn.ModuleList([])
+        for ind, (dim_in, dim_out) in enumerate(in_out):
+            is_last = ind >= len(in_out) - 1
+            down_modules.append(nn.ModuleList([
+                res_block(dim_in, dim_out),
+                res_block(dim_out, dim_out),
+                Downsample1d(dim_out) if not is_last else nn.Identity(),
+            ]))
+
+        up_modules = nn.ModuleList([])
+        for ind, (dim_in, dim_out) in enumerate(reversed(in_out[1:])):
+            # Diffusion Policy compares against len(in_out) although this loop has one
+            # element fewer, so the test is never true and every up level upsamples. That
+            # is what makes the output length equal the input length again; keep it.
+            is_last = ind >= len(in_out) - 1
+            up_modules.append(nn.ModuleList([
+                res_block(dim_out * 2, dim_in),
+                res_block(dim_in, dim_in),
+                Upsample1d(dim_in) if not is_last else nn.Identity(),
+            ]))
+
+        final_conv = nn.Sequential(
+            # Deliberately the default n_groups=8, not the n_groups argument: that is what
+            # Diffusion Policy builds, and with n_groups != 8 its GroupNorm differs.
+            Conv1dBlock(start_dim, start_dim, kernel_size=kernel_size),
+            nn.Conv1d(start_dim, input_dim, 1),
+        )
+
+        self.diffusion_step_encoder = diffusion_step_encoder
+        self.local_cond_encoder = local_cond_encoder
+        self.up_modules = up_modules
+        self.down_modules = down_modules
+        self.final_conv = final_conv
+
+        self.use_fused_ops = True
+
+    @property
+    def use_fused_ops(self) -> bool:
+        return self._use_fused_ops
+
+    @use_fused_ops.setter
+    def use_fused_ops(self, enabled: bool) -> None:
+        self.set_fused_ops(enabled)
+
+    def set_fused_ops(self, enabled: bool = True) -> "ConditionalUnet1D":
+        """Select the fused op (True) or plain PyTorch (False) in every Conv1dBlock."""
+        enabled = bool(enabled)
+        object.__setattr__(self, "_use_fused_ops", enabled)
+        for module in self.modules():
+            if isinstance(module, Conv1dBlock):
+                module.use_fused_ops = enabled
+        return self
+
+    def _encode_timestep(self, timesteps: torch.Tensor) -> torch.Tensor:
+        encoder = self.diffusion_step_encoder
+        dtype = encoder[1].weight.dtype
+        if dtype == torch.float64:
+            # Keep a float64 model float64 end to end (it serves as the numerical reference).
+            timesteps = timesteps.to(torch.float64)
+        # The sinusoid is formed in float32 at least (see SinusoidalPosEmb); only then is it
+        # rounded to the model's dtype, so half-precision models still work.
+        emb = encoder[0](timesteps).to(dtype)
+        return encoder[3](encoder[2](encoder[1](emb)))
+
+    def forward(self, sample: torch.Tensor, timestep: Union[torch.Tensor, float, int],
+                local_cond: Optional[torch.Tensor] = None,
+                global_cond: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        """sample: [B, T, input_dim]; timestep: int/float, 0-dim or [B] tensor.
+
+        A Python-number timestep is turned into a long tensor like Diffusion Policy does
+        (so a float is truncated); prefer tensors, which avoid a host-to-device copy.
+        """
+        sample = sample.transpose(1, 2)  # [B, input_dim, T]
+
+        timesteps = timestep
+        if not torch.is_tensor(timesteps):
+            timesteps = torch.tensor([timesteps], dtype=torch.long, device=sample.device)
+        elif timesteps.dim() == 0:
+            timesteps = timesteps[None]
+        timesteps = timesteps.to(sample.device).expand(sample.shape[0])
+
+        global_feature = self._encode_timestep(timesteps)
+        if global_cond is not None:
+            global_feature = torch.cat([global_feature, global_cond], dim=-1)
+
+        h_local = []
+        if local_cond is not None:
+            local_cond = local_cond.transpose(1, 2)
+            resnet, resnet2 = self.local_cond_encoder
+            h_local.append(resnet(local_cond, global_feature))
+            h_local.append(resnet2(local_cond, global_feature))
+
+        x = sample
+        h = []
+        for idx, (resnet, resnet2, downsample) in enumerate(self.down_modules):
+            x = resnet(x, global_feature)
+            if idx == 0 and len(h_local) > 0:
+                x = x + h_local[0]
+            x = resnet2(x, global_feature)
+            h.append(x)
+            x = downsample(x)
+
+        for mid_module in self.mid_modules:
+            x = mid_module(x, global_feature)
+
+        for idx, (resnet, resnet2, upsample) in enumerate(self.up_modules):
+            x = torch.cat((x, h.pop()), dim=1)
+            x = resnet(x, global_feature)
+            # Never true (idx stops at len - 1), so h_local[1] is computed but unused.
+            # Diffusion Policy keeps this condition on purpose: its published checkpoints
+            # were trained with it, and "fixing" it would change their outputs.
+            if idx == len(self.up_modules) and len(h_local) > 0:
+                x = x + h_local[1]
+            x = resnet2(x, global_feature)
+            x = upsample(x)
+
+        x = self.final_conv(x)
+        return x.transpose(1, 2)

@@ -1,0 +1,150 @@
+"""Times every Conv1dBlock shape of Diffusion Policy's U-Nets: PyTorch (cuDNN conv + GroupNorm
++ Mish, TF32 off) vs our fused op, both replayed from CUDA graphs.
+
+Each graph holds one call per copy of the weights, with enough copies that they overflow L2,
+so every call streams its weights from HBM as it does inside the real U-Net. Prints a table
+(median of CUDA-event timings) and writes JSON.
+
+    python scripts/bench_conv_blocks.py [--batch 1 64] [--dtype float32] [--json out.json]
+    python scripts/bench_conv_blocks.py --sweep-paths --batch 1 2 4 8 16 32 64
+
+--sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
++ GEMM) at every size: where they cross sets the op's default switch-over.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
+
+UNETS = {"lowdim [256,512,1024]": [256, 512, 1024], "image [512,1024,2048]": [512, 1024, 2048]}
+
+
+def conv_block_shapes(down_dims, horizon=16, input_dim=2, kernel_size=5):
+    """(in_channels, out_channels, length, kernel_size, groups) of every Conv1dBlock call, in
+    forward order, found by running the model rather than from a list."""
+    model = ConditionalUnet1D(input_dim, global_cond_dim=32, down_dims=down_dims,
+                              kernel_size=kernel_size).eval()
+    model.use_fused_ops = False
+    shapes = []
+    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append(
+        (i[0].shape[1], o.shape[1], i[0].shape[2], m.block[0].kernel_size[0], m.block[1].num_groups)))
+        for m in model.modules() if isinstance(m, Conv1dBlock)]
+    with torch.no_grad():
+        model(torch.randn(1, horizon, input_dim), 0, global_cond=torch.randn(1, 32))
+    for h in hooks:
+        h.remove()
+    return shapes
+
+
+def graph_time_ms(fn, copies, replays=30):
+    """Median time of one call: a graph of `copies` calls (one per weight copy), replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # warm-up outside the graph (cuDNN picks its algorithm here)
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes=2 << 30):
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--sweep-paths", action="store_true",
+                        help="also time the streaming kernel and the GEMM route separately")
+    args = parser.parse_args()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+    dtype = getattr(torch, args.dtype)
+    bandwidth = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  dtype {args.dtype}  "
+          f"TF32 off  copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    rows = []
+    header = (f"{'U-Net':22} {'B':>3} {'C_in':>5} {'C_out':>5} {'L':>3} {'weights MB':>10} "
+              f"{'torch us':>9} {'ours us':>8} {'speed-up':>8} {'ours GB/s':>9} {'% copy BW':>9}"
+              + (f" {'stream us':>9} {'gemm us':>8}" if args.sweep_paths else ""))
+    print(header)
+    for unet, dims in UNETS.items():
+        seen = set()
+        for cin, cout, length, k, groups in conv_block_shapes(dims):
+            if (cin, cout, length) in seen:
+                continue
+            seen.add((cin, cout, length))
+            for batch in args.batch:
+                weight_bytes = cout * cin * k * dtype.itemsize
+                copies = max(2, min(64, -(-160_000_000 // weight_bytes)))
+                ws = [torch.randn(cout, cin, k, device="cuda", dtype=dtype) * (cin * k) ** -0.5
+                      for _ in range(copies)]
+                x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
+                b, gamma, beta = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(3))
+                torch_us = 1e3 * graph_time_ms(lambda i: F.mish(F.group_norm(
+                    F.conv1d(x, ws[i], b, padding=k // 2), groups, gamma, beta)), copies)
+                ours_us = 1e3 * graph_time_ms(
+                    lambda i: ops.conv1d_gn_mish(x, ws[i], b, gamma, beta, groups), copies)
+                gbs = weight_bytes / (ours_us * 1e-6) / 1e9
+                paths = {}
+                if args.sweep_paths:
+                    default = ops.set_gemm_path_min_positions(1 << 62)
+                    for name, threshold in (("stream", 1 << 62), ("gemm", 1)):
+                        ops.set_gemm_path_min_positions(threshold)
+                        paths[f"{name}_us"] = 1e3 * graph_time_ms(
+                            lambda i: ops.conv1d_gn_mish(x, ws[i], b, gamma, beta, groups), copies)
+                    ops.set_gemm_path_min_positions(default)
+                row = dict(unet=unet, batch=batch, in_channels=cin, out_channels=cout, length=length,
+                           kernel_size=k, groups=groups, weight_mb=weight_bytes / 1e6,
+                           torch_us=torch_us, ours_us=ours_us, speedup=torch_us / ours_us,
+                           ours_weight_gbs=gbs, copy_bandwidth_gbs=bandwidth, **paths)
+                rows.append(row)
+                print(f"{unet:22} {batch:3} {cin:5} {cout:5} {length:3} {row['weight_mb']:10.2f} "
+                      f"{torch_us:9.1f} {ours_us:8.1f} {row['speedup']:7.2f}x {gbs:9.0f} "
+                      f"{100 * gbs / bandwidth:8.0f}%"
+                      + "".join(f" {v:9.1f}" for v in paths.values()), flush=True)
+                del ws
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           dtype=args.dtype, rows=rows), f, indent=1)
+    slower = [r for r in rows if r["batch"] == 1 and r["speedup"] <= 1]
+    print(f"batch 1: ours faster on {sum(r['batch'] == 1 for r in rows) - len(slower)} of "
+          f"{sum(r['batch'] == 1 for r in rows)} shapes", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

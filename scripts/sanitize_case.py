@@ -1,0 +1,37 @@
+"""A small workload for `compute-sanitizer --tool memcheck`: a small U-Net forward through the
+fused ops (fp32 and bf16) plus the kernels' edge paths (run-time kernel size, groups split
+across blocks, one-position sequences, tiny channel counts) and denoise steps."""
+import torch
+
+from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.model import ConditionalUnet1D
+from diffusion_policy_accelerated.schedulers import DenoiseSchedule
+
+
+def main():
+    torch.manual_seed(0)
+    model = ConditionalUnet1D(2, global_cond_dim=8, down_dims=[32, 64, 128], kernel_size=5).cuda().eval()
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            m = model.to(dtype)
+            out = m(torch.randn(3, 16, 2, device="cuda", dtype=dtype), 7,
+                    global_cond=torch.randn(3, 8, device="cuda", dtype=dtype))
+            assert torch.isfinite(out).all()
+    for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (1, 4, 8, 5, 13, 2),
+                                                 (2, 9, 24, 1, 5, 24), (1, 300, 20, 17, 5, 5),
+                                                 (2, 3, 6, 40, 31, 3), (1, 2, 2, 1, 1, 1)]:
+        x = torch.randn(batch, cin, length, device="cuda")
+        w = torch.randn(cout, cin, k, device="cuda")
+        assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups)).all()
+    from diffusers import DDPMScheduler
+    sched = DenoiseSchedule.from_diffusers(
+        DDPMScheduler(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2"), 4).to("cuda")
+    sample = torch.randn(3, 16, 2, device="cuda")
+    for i in range(4):
+        sample = sched.step(torch.randn_like(sample), i, sample, noise=torch.randn_like(sample))
+    torch.cuda.synchronize()
+    print("sanitize case ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""conv1d_gn_mish against a float64 PyTorch reference, on CPU and (where present) CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion_policy_accelerated import ops
+from conftest import DEVICES, poison_allocator
+
+# Tolerances per dtype (compared after the output is rounded to that dtype):
+#  fp32: fp32 accumulation of up to ~20k products, then normalisation: ~1e-5, margin x10.
+#  fp16 / bf16: the output's own rounding dominates (2^-11 and 2^-8 relative), plus the
+#  rounding of GroupNorm's output before Mish in the reference vs ours: a few ulps.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
+}
+
+# (batch, in_channels, out_channels, length, kernel_size, groups): every Conv1dBlock shape of
+# the [256,512,1024] and [512,1024,2048] U-Nets at horizon 16, plus odd sizes around them.
+UNET_SHAPES = [
+    (1, 2, 256, 16, 5, 8), (1, 256, 256, 16, 5, 8), (1, 256, 512, 8, 5, 8),
+    (1, 512, 512, 8, 5, 8), (1, 512, 1024, 4, 5, 8), (1, 1024, 1024, 4, 5, 8),
+    (1, 2048, 512, 8, 5, 8), (1, 1024, 256, 16, 5, 8),
+    (1, 10, 512, 16, 5, 8), (1, 512, 1024, 8, 5, 8), (1, 1024, 2048, 4, 5, 8),
+    (1, 2048, 2048, 4, 5, 8), (1, 4096, 1024, 8, 5, 8), (1, 2048, 512, 16, 5, 8),
+]
+ODD_SHAPES = [
+    (3, 2, 2, 1, 1, 1), (3, 7, 6, 3, 3, 3), (1, 3, 12, 2, 3, 4), (3, 33, 40, 17, 5, 5),
+    (2, 5, 64, 64, 7, 16), (1, 16, 32, 20, 9, 8), (3, 64, 96, 5, 3, 32), (1, 64, 8, 33, 5, 8),
+    (2, 4096, 16, 2, 3, 4), (1, 8, 4096, 1, 5, 64), (1, 17, 23, 16, 3, 1), (3, 9, 24, 12, 5, 24),
+    (1, 4, 8, 5, 13, 2), (2, 3, 6, 4, 31, 3),
+]
+BATCH64_SHAPES = [(64, 256, 256, 16, 5, 8), (64, 1024, 512, 8, 5, 8), (64, 2048, 1024, 4, 5, 8)]
+
+
+def reference(x, w, b, gamma, beta, groups):
+    """float64 Conv1d -> GroupNorm -> Mish on the CPU, from the (already rounded) inputs."""
+    d = lambda t: None if t is None else t.detach().double().cpu()
+    y = F.conv1d(d(x), d(w), d(b), padding=w.shape[2] // 2)
+    return F.mish(F.group_norm(y, groups, d(gamma), d(beta), eps=1e-5))
+
+
+def make_inputs(shape, dtype, device, generator):
+    batch, cin, cout, length, k, groups = shape
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=generator) * scale).to(device, dtype)
+    # Weight scale as PyTorch's default init, so activations stay O(1) through the block.
+    x = rand(batch, cin, length)
+    w = rand(cout, cin, k, scale=(cin * k) ** -0.5)
+    return x, w, rand(cout, scale=0.1), 1 + rand(cout, scale=0.1), rand(cout, scale=0.1)
+
+
+def check(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
+    batch, _, cout, length, _, groups = shape
+    poison_allocator(device, batch * cout * length, dtype)
+    out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups)
+    assert out.shape == (batch, cout, length) and out.dtype == dtype and out.device == x.device
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+    torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups),
+                               **TOLERANCES[dtype])
+
+
+def cpu_cost(shape):
+    batch, cin, cout, length, k, _ = shape
+    return batch * cin * cout * length * k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", UNET_SHAPES + ODD_SHAPES, ids=str)
+def test_matches_float64_reference(shape, dtype, device):
+    check(shape, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", BATCH64_SHAPES, ids=str)
+def test_batch_64(shape, device):
+    if device == "cpu" and cpu_cost(shape) > 2e9:
+        shape = (64, shape[1] // 4, shape[2] // 4) + shape[3:]  # keep CI's 2-core run short
+    check(shape, torch.float32, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fresh_random_inputs_every_call(device):
+    for seed in range(4):
+        check((3, 48, 64, 16, 5, 8), torch.float32, device, seed=seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_bias_no_affine_and_non_contiguous_inputs(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, 24, generator=g).to(device).transpose(0, 2)  # [24, 3, 16], strided
+    w = torch.randn(3, 8, 3, generator=g).to(device).transpose(0, 1)  # [8, 3, 3], strided
+    assert not x.is_contiguous() and not w.is_contiguous()
+    out = ops.conv1d_gn_mish(x, w, None, None, None, 2, 1e-5)
+    torch.testing.assert_close(out.cpu().double(), reference(x, w, None, None, None, 2),
+                               **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    g = torch.Generator().manual_seed(2)
+    for shape in [(1, 8, 16, 16, 5, 8), (3, 5, 6, 3, 3, 3), (2, 4, 8, 7, 7, 2)]:
+        x, w, b, gamma, beta = make_inputs(shape, torch.float32, device, g)
+        torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish.default, (x, w, b, gamma, beta, shape[5], 1e-5))
+    torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish.default, (x, w, None, None, None, 2, 1e-5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile(device):
+    g = torch.Generator().manual_seed(3)
+    x, w, b, gamma, beta = make_inputs((2, 8, 16, 16, 5, 8), torch.float32, device, g)
+    fn = torch.compile(lambda *a: ops.conv1d_gn_mish(*a, 8) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x, w, b, gamma, beta),
+                               ops.conv1d_gn_mish(x, w, b, gamma, beta, 8) * 2)
+
+
+def good_args(device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(4)
+    x, w, b, gamma, beta = make_inputs((2, 4, 8, 6, 3, 4), dtype, device, g)
+    return dict(x=x, weight=w, bias=b, gn_weight=gamma, gn_bias=beta, num_groups=4, eps=1e-5)
+
+
+BAD_INPUTS = [
+    # (what to change, expected exception, text the message must contain)
+    (dict(x=torch.randn(2, 4, 6, dtype=torch.float64)), TypeError, "x must be float32"),
+    (dict(x=torch.randint(0, 3, (2, 4, 6))), TypeError, "x must be float32"),
+    (dict(weight=torch.randn(8, 4, 3, dtype=torch.float16)), TypeError, "weight has dtype"),
+    (dict(bias=torch.randn(8, dtype=torch.bfloat16)), TypeError, "bias has dtype"),
+    (dict(x=torch.randn(4, 6)), ValueError, "x must be 3-D"),
+    (dict(x=torch.randn(1, 2, 4, 6)), ValueError, "x must be 3-D"),
+    (dict(weight=torch.randn(8, 12)), ValueError, "weight must be 3-D"),
+    (dict(weight=torch.randn(8, 5, 3)), ValueError, "weight has in_channels 5"),
+    (dict(weight=torch.randn(8, 4, 4)), ValueError, "kernel_size"),
+    (dict(weight=torch.randn(0, 4, 3)), ValueError, "out_channels >= 1"),
+    (dict(bias=torch.randn(7)), ValueError, "bias must have shape [8]"),
+    (dict(gn_weight=torch.randn(8, 1)), ValueError, "gn_weight must have shape [8]"),
+    (dict(gn_bias=torch.randn(9)), ValueError, "gn_bias must have shape [8]"),
+    (dict(num_groups=3), ValueError, "num_groups must be >= 1 and divide"),
+    (dict(num_groups=0), ValueError, "num_groups must be >= 1 and divide"),
+    (dict(eps=-1.0), ValueError, "eps must be finite"),
+    (dict(eps=float("nan")), ValueError, "eps must be finite"),
+    (dict(x=torch.randn(0, 4, 6)), ValueError, "x must be non-empty"),
+    (dict(x=torch.randn(2, 4, 0)), ValueError, "x must be non-empty"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_input_raises(change, error, text, device):
+    args = good_args(device)
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    with pytest.raises(error, match=text.replace("[", r"\[").replace("]", r"\]")):
+        ops.conv1d_gn_mish(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["x", "weight", "bias", "gn_weight", "gn_bias"])
+def test_mixed_devices_raise(name):
+    args = good_args("cuda")
+    args[name] = args[name].cpu()
+    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
+        ops.conv1d_gn_mish(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("route,threshold", [("streaming kernel", 1 << 62), ("im2col + GEMM", 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_cuda_routes(route, threshold, dtype):
+    """The op picks its CUDA route by batch * length; each route must be right on every shape."""
+    default = ops.set_gemm_path_min_positions(threshold)
+    try:
+        for shape in [(1, 2, 256, 16, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
+                      (5, 33, 40, 17, 7, 5), (2, 9, 24, 1, 5, 24)]:
+            check(shape, dtype, "cuda")
+    finally:
+        ops.set_gemm_path_min_positions(default)

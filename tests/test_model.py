@@ -1,0 +1,548 @@
+"""ConditionalUnet1D: checkpoint compatibility with Diffusion Policy and fused-op numerics.
+
+Diffusion Policy itself (and einops) is not a dependency, so compatibility is proven
+against `Ref*` below: a compact plain-PyTorch rewrite of Diffusion Policy's module tree
+(real-stanford/diffusion_policy, diffusion_policy/model/diffusion/conditional_unet1d.py,
+conv1d_components.py, positional_embedding.py) with the same attribute names, Sequential
+indices and registration order, written independently of the package under test.
+"""
+import copy
+import functools
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import diffusion_policy_accelerated.model as model_mod
+from diffusion_policy_accelerated.model import Conv1dBlock, ConditionalUnet1D
+
+PKG_DIR = Path(model_mod.__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------------------
+# Reference: Diffusion Policy's module tree in plain PyTorch.
+# --------------------------------------------------------------------------------------
+
+class RefConv1dBlock(nn.Module):
+    def __init__(self, cin, cout, k, n_groups=8):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv1d(cin, cout, k, padding=k // 2),
+                                   nn.GroupNorm(n_groups, cout), nn.Mish())
+
+    def forward(self, x):
+        return self.block(x)
+
+
+class RefRearrange(nn.Module):  # einops Rearrange('batch t -> batch t 1')
+    def forward(self, x):
+        return x[:, :, None]
+
+
+class RefResBlock(nn.Module):
+    def __init__(self, cin, cout, cond_dim, kernel_size, n_groups, cond_predict_scale):
+        super().__init__()
+        self.blocks = nn.ModuleList([RefConv1dBlock(cin, cout, kernel_size, n_groups),
+                                     RefConv1dBlock(cout, cout, kernel_size, n_groups)])
+        self.cond_predict_scale = cond_predict_scale
+        self.out_channels = cout
+        self.cond_encoder = nn.Sequential(
+            nn.Mish(), nn.Linear(cond_dim, cout * (2 if cond_predict_scale else 1)), RefRearrange())
+        self.residual_conv = nn.Conv1d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x, cond):
+        out = self.blocks[0](x)
+        e = self.cond_encoder(cond)
+        if self.cond_predict_scale:
+            e = e.reshape(e.shape[0], 2, self.out_channels, 1)
+            out = e[:, 0] * out + e[:, 1]
+        else:
+            out = out + e
+        return self.blocks[1](out) + self.residual_conv(x)
+
+
+class RefDownsample1d(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, 3, 2, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class RefUpsample1d(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(d, d, 4, 2, 1)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+class RefPosEmb(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, t):  # always float64: this is the numerical ground truth
+        half = self.dim // 2
+        freqs = torch.exp(torch.arange(half, dtype=torch.float64, device=t.device)
+                          * -(math.log(10000) / (half - 1)))
+        arg = t.to(torch.float64)[:, None] * freqs[None]
+        return torch.cat([arg.sin(), arg.cos()], dim=-1)
+
+
+class RefUnet(nn.Module):
+    def __init__(self, input_dim, local_cond_dim=None, global_cond_dim=None,
+                 diffusion_step_embed_dim=256, down_dims=(256, 512, 1024), kernel_size=3,
+                 n_groups=8, cond_predict_scale=False):
+        super().__init__()
+        dims = [input_dim] + list(down_dims)
+        in_out = list(zip(dims[:-1], dims[1:]))
+        dsed = diffusion_step_embed_dim
+        cond_dim = dsed + (global_cond_dim or 0)
+        R = functools.partial(RefResBlock, cond_dim=cond_dim, kernel_size=kernel_size,
+                              n_groups=n_groups, cond_predict_scale=cond_predict_scale)
+        # Same registration order as Diffusion Policy's __init__.
+        self.mid_modules = nn.ModuleList([R(dims[-1], dims[-1]), R(dims[-1], dims[-1])])
+        self.diffusion_step_encoder = nn.Sequential(
+            RefPosEmb(dsed), nn.Linear(dsed, 4 * dsed), nn.Mish(), nn.Linear(4 * dsed, dsed))
+        self.local_cond_encoder = (
+            nn.ModuleList([R(local_cond_dim, dims[1]), R(local_cond_dim, dims[1])])
+            if local_cond_dim is not None else None)
+        # In DP every up level ends with an Upsample1d (its is_last test never fires).
+        self.up_modules = nn.ModuleList(
+            nn.ModuleList([R(2 * dout, din), R(din, din), RefUpsample1d(din)])
+            for din, dout in reversed(in_out[1:]))
+        self.down_modules = nn.ModuleList(
+            nn.ModuleList([R(din, dout), R(dout, dout),
+                           RefDownsample1d(dout) if i < len(in_out) - 1 else nn.Identity()])
+            for i, (din, dout) in enumerate(in_out))
+        # DP's final block uses the default 8 groups whatever n_groups is.
+        self.final_conv = nn.Sequential(RefConv1dBlock(dims[1], dims[1], kernel_size),
+                                        nn.Conv1d(dims[1], input_dim, 1))
+
+    def forward(self, sample, timesteps, local_cond=None, global_cond=None):
+        """timesteps: [B] tensor (the tests normalise every accepted form to this)."""
+        enc = self.diffusion_step_encoder
+        g = enc[1:](enc[0](timesteps).to(enc[1].weight.dtype))
+        if global_cond is not None:
+            g = torch.cat([g, global_cond], -1)
+        x = sample.transpose(1, 2)
+        h_local = []
+        if local_cond is not None:
+            lc = local_cond.transpose(1, 2)
+            h_local = [m(lc, g) for m in self.local_cond_encoder]
+        skips = []
+        for i, (r1, r2, down) in enumerate(self.down_modules):
+            x = r1(x, g)
+            if i == 0 and h_local:
+                x = x + h_local[0]
+            x = r2(x, g)
+            skips.append(x)
+            x = down(x)
+        for m in self.mid_modules:
+            x = m(x, g)
+        for r1, r2, up in self.up_modules:
+            # DP computes h_local[1] but never adds it (checkpoint-compatibility quirk).
+            x = up(r2(r1(torch.cat([x, skips.pop()], 1), g), g))
+        return self.final_conv(x).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------
+# Configurations and helpers.
+# --------------------------------------------------------------------------------------
+
+# (name, constructor kwargs, batch, horizon, timestep form)
+CONFIGS = [
+    ("gcond_film_k5", dict(input_dim=2, global_cond_dim=20, diffusion_step_embed_dim=32,
+                           down_dims=[32, 64, 128], kernel_size=5, n_groups=8,
+                           cond_predict_scale=True), 3, 16, "batch"),
+    ("lcond_only_2lvl_g4", dict(input_dim=3, local_cond_dim=4, diffusion_step_embed_dim=16,
+                                down_dims=[64, 128], kernel_size=3, n_groups=4,
+                                cond_predict_scale=False), 1, 8, "int"),
+    ("lcond_gcond_film_g4", dict(input_dim=2, local_cond_dim=3, global_cond_dim=10,
+                                 diffusion_step_embed_dim=32, down_dims=[32, 64, 128],
+                                 kernel_size=3, n_groups=4, cond_predict_scale=True),
+     2, 16, "0dim"),
+    ("gcond_2lvl_k5_h8", dict(input_dim=5, global_cond_dim=7, diffusion_step_embed_dim=64,
+                              down_dims=[64, 128], kernel_size=5, n_groups=8,
+                              cond_predict_scale=False), 3, 8, "0dim"),
+    ("nocond_3lvl_h8", dict(input_dim=4, diffusion_step_embed_dim=32, down_dims=[32, 64, 128]),
+     2, 8, "int"),
+]
+CONFIG_IDS = [c[0] for c in CONFIGS]
+# Diffusion Policy's defaults (the Push-T low-dim shape); ~65M parameters.
+DEFAULT_CFG = dict(input_dim=2, global_cond_dim=20)
+
+
+def randomize_(module, seed):
+    """Perturb every parameter so GroupNorm affines, biases etc. all matter in comparisons."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            scale = p.std().item() if p.numel() > 1 and p.std().item() > 0 else 0.3
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * scale * 0.5)
+    return module
+
+
+def make_pair(cfg, seed=0):
+    """(float64 reference, our model loaded from the reference's state_dict, float64)."""
+    torch.manual_seed(seed)
+    ref = randomize_(RefUnet(**cfg), seed).double().eval()
+    ours = ConditionalUnet1D(**cfg).double().eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    return ref, ours
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_pair(name):
+    cfg = dict(DEFAULT_CFG) if name == "default" else next(c[1] for c in CONFIGS if c[0] == name)
+    return make_pair(cfg, seed=sum(map(ord, name)))  # hash() is salted per process
+
+
+def pair(name):
+    """Fresh copies of a cached pair (tests convert dtypes/devices in place)."""
+    ref, ours = _cached_pair(name)
+    return copy.deepcopy(ref), copy.deepcopy(ours)
+
+
+def make_inputs(cfg, batch, horizon, ts_form, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.randn(batch, horizon, cfg["input_dim"], generator=gen, dtype=torch.float64)
+    t = torch.randint(0, 100, (batch,), generator=gen)
+    if ts_form == "int":
+        t = t[:1].expand(batch).clone()
+        timestep = int(t[0])
+    elif ts_form == "0dim":
+        t = t[:1].expand(batch).clone()
+        timestep = t[0].clone()
+    else:
+        timestep = t.clone()
+    kw = {}
+    if cfg.get("local_cond_dim") is not None:
+        kw["local_cond"] = torch.randn(batch, horizon, cfg["local_cond_dim"], generator=gen,
+                                       dtype=torch.float64)
+    if cfg.get("global_cond_dim") is not None:
+        kw["global_cond"] = torch.randn(batch, cfg["global_cond_dim"], generator=gen,
+                                        dtype=torch.float64)
+    return sample, timestep, t, kw
+
+
+def cast(x, dtype, device):
+    if torch.is_tensor(x):
+        return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
+    return x
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def n_conv_blocks(model):
+    return sum(isinstance(m, Conv1dBlock) for m in model.modules())
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoint compatibility and exact (float64) equivalence.
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", CONFIG_IDS + ["default"])
+def test_state_dict_keys_and_shapes_match_diffusion_policy(name):
+    ref, ours = _cached_pair(name)
+    ref_sd, our_sd = ref.state_dict(), ours.state_dict()
+    assert list(our_sd) == list(ref_sd)  # same keys, same order
+    for k in ref_sd:
+        assert our_sd[k].shape == ref_sd[k].shape, k
+    # And a freshly constructed model accepts a reference checkpoint strictly.
+    fresh = ConditionalUnet1D(**(DEFAULT_CFG if name == "default" else dict(
+        next(c[1] for c in CONFIGS if c[0] == name))))
+    fresh.load_state_dict(ref.state_dict(), strict=True)
+
+
+def test_default_keys_spot_check():
+    _, ours = _cached_pair("default")
+    sd = ours.state_dict()
+    for key, shape in [
+        ("diffusion_step_encoder.1.weight", (1024, 256)),
+        ("diffusion_step_encoder.3.weight", (256, 1024)),
+        ("down_modules.0.0.blocks.0.block.0.weight", (256, 2, 3)),
+        ("down_modules.0.0.blocks.0.block.1.weight", (256,)),
+        ("down_modules.0.0.cond_encoder.1.weight", (256, 276)),
+        ("down_modules.0.0.residual_conv.weight", (256, 2, 1)),
+        ("down_modules.0.2.conv.weight", (256, 256, 3)),
+        ("mid_modules.1.blocks.1.block.0.weight", (1024, 1024, 3)),
+        ("up_modules.0.0.blocks.0.block.0.weight", (512, 2048, 3)),
+        ("up_modules.1.2.conv.weight", (256, 256, 4)),  # ConvTranspose1d: [in, out, k]
+        ("final_conv.0.block.0.weight", (256, 256, 3)),
+        ("final_conv.1.weight", (2, 256, 1)),
+    ]:
+        assert tuple(sd[key].shape) == shape, key
+    assert not any(k.startswith("down_modules.2.2.") for k in sd)  # last level: Identity
+    assert not any(k.startswith("local_cond_encoder") for k in sd)
+
+
+def test_final_block_uses_eight_groups_regardless_of_n_groups():
+    m = ConditionalUnet1D(input_dim=2, diffusion_step_embed_dim=16, down_dims=[32, 64], n_groups=4)
+    assert m.final_conv[0].block[1].num_groups == 8
+    assert m.down_modules[0][0].blocks[0].block[1].num_groups == 4
+
+
+@pytest.mark.parametrize("name", CONFIG_IDS)
+def test_float64_matches_reference(name):
+    _, cfg, batch, horizon, ts_form = next(c for c in CONFIGS if c[0] == name)
+    ref, ours = pair(name)
+    sample, timestep, t, kw = make_inputs(cfg, batch, horizon, ts_form)
+    with torch.no_grad():
+        expected = ref(sample, t, **kw)
+        out = ours(sample, timestep, **kw)
+        # Unknown keyword arguments are accepted and ignored, as in DP.
+        out_kw = ours(sample, timestep, unused_kwarg=123, **kw)
+    assert out.shape == (batch, horizon, cfg["input_dim"]) and out.dtype == torch.float64
+    assert rel_err(out, expected) < 1e-10
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out_kw, out, rtol=0, atol=0)
+
+
+def test_timestep_forms_agree():
+    _, cfg, batch, horizon, _ = CONFIGS[0]
+    _, ours = pair(CONFIGS[0][0])
+    sample, _, _, kw = make_inputs(cfg, batch, horizon, "batch")
+    with torch.no_grad():
+        outs = [ours(sample, t, **kw)
+                for t in (17, torch.tensor(17), torch.tensor([17] * batch), torch.tensor([17]))]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=0)
+
+
+def test_up_path_local_cond_is_unused_like_diffusion_policy():
+    """DP's `idx == len(self.up_modules)` never fires: local_cond_encoder[1] has no effect."""
+    name = "lcond_gcond_film_g4"
+    _, cfg, batch, horizon, ts_form = next(c for c in CONFIGS if c[0] == name)
+    _, ours = pair(name)
+    sample, timestep, _, kw = make_inputs(cfg, batch, horizon, ts_form)
+    with torch.no_grad():
+        before = ours(sample, timestep, **kw)
+        for p in ours.local_cond_encoder[1].parameters():
+            p.add_(1.0)
+        after = ours(sample, timestep, **kw)
+        for p in ours.local_cond_encoder[0].parameters():
+            p.add_(1.0)
+        changed = ours(sample, timestep, **kw)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert not torch.allclose(changed, before)
+
+
+# --------------------------------------------------------------------------------------
+# Fused-path dispatch, checked with a stand-in ops module (no compiled extension needed).
+# --------------------------------------------------------------------------------------
+
+class FakeOps:
+    """Computes the fused op with PyTorch and counts calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def built_with_cuda(self):
+        return False
+
+    def conv1d_gn_mish(self, x, weight, bias, gn_weight, gn_bias, num_groups, eps):
+        self.calls += 1
+        y = F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2)
+        return F.mish(F.group_norm(y, num_groups, gn_weight, gn_bias, eps))
+
+
+@pytest.fixture
+def fake_ops(monkeypatch):
+    fake = FakeOps()
+    monkeypatch.setattr(model_mod, "_OPS", fake)
+    monkeypatch.setattr(model_mod, "_OPS_HAS_CUDA", False)
+    return fake
+
+
+def _small_fp32():
+    _, cfg, batch, horizon, ts_form = CONFIGS[0]
+    ref, ours = pair(CONFIGS[0][0])
+    sample, timestep, _, kw = make_inputs(cfg, batch, horizon, ts_form)
+    return ours.float(), sample.float(), timestep, {k: v.float() for k, v in kw.items()}
+
+
+def test_fused_dispatch(fake_ops):
+    ours, sample, timestep, kw = _small_fp32()
+    n = n_conv_blocks(ours)
+    with torch.no_grad():
+        fused = ours(sample, timestep, **kw)
+    assert fake_ops.calls == n
+    with torch.inference_mode():
+        ours(sample, timestep, **kw)
+    assert fake_ops.calls == 2 * n
+
+    ours.use_fused_ops = False
+    assert not ours.use_fused_ops
+    assert all(not m.use_fused_ops for m in ours.modules() if isinstance(m, Conv1dBlock))
+    with torch.no_grad():
+        plain = ours(sample, timestep, **kw)
+    assert fake_ops.calls == 2 * n
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+
+    assert ours.set_fused_ops(True) is ours and ours.use_fused_ops
+    assert all(m.use_fused_ops for m in ours.modules() if isinstance(m, Conv1dBlock))
+    with torch.no_grad():  # float64 never reaches the kernels (they have no fp64 variant)
+        ours.double()(sample.double(), timestep, **{k: v.double() for k, v in kw.items()})
+    assert fake_ops.calls == 2 * n
+
+
+def test_training_takes_plain_path_and_backward_works(fake_ops):
+    ours, sample, timestep, kw = _small_fp32()
+    ours.train()
+    assert ours.use_fused_ops
+    out = ours(sample, timestep, **kw)
+    assert fake_ops.calls == 0
+    out.square().mean().backward()
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    assert any(p.grad.abs().sum() > 0 for p in ours.parameters())
+
+    # Frozen weights but a differentiable input (e.g. guidance): still the plain path.
+    ours.requires_grad_(False)
+    x = sample.clone().requires_grad_(True)
+    ours(x, timestep, **kw).sum().backward()
+    assert fake_ops.calls == 0 and x.grad is not None
+    # Frozen weights and nothing else needing grad: fused even with grad mode on.
+    ours(sample, timestep, **kw)
+    assert fake_ops.calls == n_conv_blocks(ours)
+
+
+def test_import_does_not_load_extension():
+    """Building/inspecting a model, or running it unfused, must not load the C++ extension."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from diffusion_policy_accelerated.model import ConditionalUnet1D
+        m = ConditionalUnet1D(2, global_cond_dim=3, diffusion_step_embed_dim=16,
+                              down_dims=[16, 32])
+        x, g = torch.zeros(1, 8, 2), torch.zeros(1, 3)
+        m.use_fused_ops = False
+        with torch.no_grad():
+            m(x, 0, global_cond=g)
+        m.use_fused_ops = True
+        with torch.no_grad():
+            m.double()(x.double(), 0, global_cond=g.double())  # float64: never fused
+        bad = [k for k in sys.modules if k.split(".")[:1] == ["diffusion_policy_accelerated"]
+               and k.split(".")[1:2] in (["ops"], ["_extension"], ["_C"])]
+        assert not bad, bad
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG_DIR.parent)
+
+
+# --------------------------------------------------------------------------------------
+# Fused path with the compiled extension, against the float64 reference.
+# --------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def counted_ops(monkeypatch):
+    """The real ops module with conv1d_gn_mish wrapped to count calls (proves fusion ran)."""
+    ops = model_mod._ops()
+    real = ops.conv1d_gn_mish
+    counter = {"calls": 0}
+
+    def counting(*args, **kwargs):
+        counter["calls"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "conv1d_gn_mish", counting)
+    return counter
+
+
+@pytest.fixture
+def no_tf32():
+    """TF32 would make the plain fp32 CUDA path ~1e-3 accurate and the comparison moot."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+# Relative L2 error bounds against float64 evaluated on the *same rounded* weights and inputs,
+# so they measure arithmetic error only.
+# - float32: unit roundoff 6e-8; ~30 conv/GroupNorm layers with dot products of up to
+#   K*C_in ~ 6k terms leave ~1e-6 (measured 4e-7..2e-6, CPU and H100). 1e-4 has margin
+#   for any summation order, yet an indexing or normalisation bug gives O(1) errors.
+# - float16: unit roundoff 4.9e-4; every intermediate activation (~60 on the longest path,
+#   incl. residual adds and FiLM) is rounded to fp16 and the errors add up to ~1e-3
+#   (measured 8e-4..2.3e-3, plain path included): 1e-2.
+# - bfloat16: unit roundoff 3.9e-3 (8x fp16), same reasoning gives ~1e-2 (measured
+#   6e-3..1.3e-2): 3e-2.
+# The plain PyTorch path must meet the same bound, so the bound reflects the dtype rather
+# than slack for the kernel; and since the kernel accumulates and normalises in fp32 it
+# must also be no less accurate than PyTorch (within a factor allowing for rounding luck).
+TOLS = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _check_fused(name, dtype, device, counter, batch=None, horizon=None):
+    if name == "default":
+        cfg, batch, horizon, ts_form = DEFAULT_CFG, batch or 1, horizon or 16, "batch"
+    else:
+        _, cfg, b, h, ts_form = next(c for c in CONFIGS if c[0] == name)
+        batch, horizon = batch or b, horizon or h
+    ref, ours = pair(name)
+    ours = ours.to(device=device, dtype=dtype)
+    # Reference weights = our rounded weights, in float64.
+    ref = ref.to(device)
+    ref.load_state_dict({k: v.double() for k, v in ours.state_dict().items()}, strict=True)
+    sample, timestep, t, kw = make_inputs(cfg, batch, horizon, ts_form)
+    sample = cast(sample, dtype, device)
+    kw = {k: cast(v, dtype, device) for k, v in kw.items()}
+    timestep = cast(timestep, None, device)
+    with torch.no_grad():
+        expected = ref(sample.double(), t.to(device), **{k: v.double() for k, v in kw.items()})
+        before = counter["calls"]
+        fused = ours(sample, timestep, **kw)
+        assert counter["calls"] - before == n_conv_blocks(ours)
+        ours.use_fused_ops = False
+        plain = ours(sample, timestep, **kw)
+        assert counter["calls"] - before == n_conv_blocks(ours)
+    assert fused.dtype == dtype and fused.shape == expected.shape
+    assert torch.isfinite(fused).all()
+    e_fused, e_plain = rel_err(fused, expected), rel_err(plain, expected)
+    tol = TOLS[dtype]
+    assert e_plain < tol, f"plain path {dtype} on {device}: rel err {e_plain:.3g} (bound is unfair)"
+    assert e_fused < tol, (f"fused path {name} {dtype} on {device}: rel err {e_fused:.3g} "
+                           f"(plain {e_plain:.3g}, bound {tol})")
+    assert e_fused < 3 * e_plain, (f"fused path {name} {dtype} on {device} is less accurate "
+                                   f"than PyTorch: rel err {e_fused:.3g} vs {e_plain:.3g}")
+    return e_fused, e_plain
+
+
+@pytest.mark.parametrize("name", CONFIG_IDS)
+def test_fused_cpu_float32(name, counted_ops):
+    _check_fused(name, torch.float32, "cpu", counted_ops)
+
+
+def test_fused_cpu_float32_default_config(counted_ops):
+    _check_fused("default", torch.float32, "cpu", counted_ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", CONFIG_IDS[:3])
+def test_fused_cpu_half(name, dtype, counted_ops):
+    _check_fused(name, dtype, "cpu", counted_ops)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("name", CONFIG_IDS + ["default"])
+def test_fused_cuda(name, dtype, counted_ops, no_tf32):
+    assert model_mod._ops().built_with_cuda(), "a CUDA machine must run the CUDA build"
+    batch, horizon = (8, 16) if name == "default" else (None, None)
+    _check_fused(name, dtype, "cuda", counted_ops, batch=batch, horizon=horizon)
