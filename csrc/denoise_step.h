@@ -41,17 +41,20 @@ struct DenoiseConfig {
   bool has_noise;
 };
 
+// `scale(coeff, v)` is diffusers' `coeff * tensor`, `div(v, b, 1/b)` its `tensor / coeff`.
 template <typename scalar_t>
 struct RoundedArith {
   static C10_HOST_DEVICE float round(float v) { return static_cast<float>(static_cast<scalar_t>(v)); }
 #ifdef __CUDA_ARCH__
-  static __device__ float mul(float a, float b) { return round(__fmul_rn(a, b)); }
+  static __device__ float scale(float coeff, float v) { return round(__fmul_rn(coeff, v)); }
   static __device__ float add(float a, float b) { return round(__fadd_rn(a, b)); }
   static __device__ float sub(float a, float b) { return round(__fsub_rn(a, b)); }
-  static __device__ float div(float a, float, float inv_b) { return mul(a, inv_b); }
+  static __device__ float div(float a, float, float inv_b) { return scale(inv_b, a); }
 #else
-  // The CPU build uses -ffp-contract=off, so these are single IEEE operations too.
-  static float mul(float a, float b) { return round(a * b); }
+  // PyTorch's CPU kernels round a leading 0-dim scalar to the tensor's dtype before
+  // multiplying, but divide by a trailing one in fp32. The CPU build uses
+  // -ffp-contract=off, so each line is one IEEE operation.
+  static float scale(float coeff, float v) { return round(round(coeff) * v); }
   static float add(float a, float b) { return round(a + b); }
   static float sub(float a, float b) { return round(a - b); }
   static float div(float a, float b, float) { return round(a / b); }
@@ -64,28 +67,33 @@ C10_HOST_DEVICE scalar_t denoise_element(float m, float s, float noise, const fl
   using A = RoundedArith<scalar_t>;
   float x0;
   if (cfg.prediction == kEpsilon) {
-    x0 = A::div(A::sub(s, A::mul(c[kSqrtBetaProd], m)), c[kSqrtAlphaProd], c[kInvSqrtAlphaProd]);
+    x0 = A::div(A::sub(s, A::scale(c[kSqrtBetaProd], m)), c[kSqrtAlphaProd], c[kInvSqrtAlphaProd]);
   } else if (cfg.prediction == kSample) {
     x0 = m;
   } else {
-    x0 = A::sub(A::mul(c[kSqrtAlphaProd], s), A::mul(c[kSqrtBetaProd], m));
+    x0 = A::sub(A::scale(c[kSqrtAlphaProd], s), A::scale(c[kSqrtBetaProd], m));
+  }
+  // diffusers derives DDIM's epsilon from the x0 before clipping, unless told to use the
+  // clipped one (use_clipped_model_output).
+  const auto epsilon_from = [&](float x0_used) {
+    return A::div(A::sub(s, A::scale(c[kSqrtAlphaProd], x0_used)), c[kSqrtBetaProd],
+                  c[kInvSqrtBetaProd]);
+  };
+  float epsilon = 0.f;
+  if (cfg.scheduler == kDDIM && !cfg.use_clipped_model_output) {
+    epsilon = cfg.prediction == kEpsilon ? m
+              : cfg.prediction == kSample
+                  ? epsilon_from(x0)
+                  : A::add(A::scale(c[kSqrtAlphaProd], m), A::scale(c[kSqrtBetaProd], s));
   }
   if (cfg.clip && !(x0 != x0)) {  // torch.clamp propagates NaN
     const float hi = A::round(cfg.clip_range);
     x0 = x0 < -hi ? -hi : (x0 > hi ? hi : x0);
   }
-  float second;
-  if (cfg.scheduler == kDDPM) {
-    second = s;
-  } else if (cfg.prediction == kEpsilon && !cfg.use_clipped_model_output) {
-    second = m;
-  } else if (cfg.prediction == kVPrediction && !cfg.use_clipped_model_output) {
-    second = A::add(A::mul(c[kSqrtAlphaProd], m), A::mul(c[kSqrtBetaProd], s));
-  } else {
-    second = A::div(A::sub(s, A::mul(c[kSqrtAlphaProd], x0)), c[kSqrtBetaProd], c[kInvSqrtBetaProd]);
-  }
-  float prev = A::add(A::mul(c[kX0Coeff], x0), A::mul(c[kSecondCoeff], second));
-  if (cfg.has_noise && c[kAddNoise] != 0.f) prev = A::add(prev, A::mul(c[kNoiseScale], noise));
+  if (cfg.scheduler == kDDIM && cfg.use_clipped_model_output) epsilon = epsilon_from(x0);
+  const float second = cfg.scheduler == kDDPM ? s : epsilon;
+  float prev = A::add(A::scale(c[kX0Coeff], x0), A::scale(c[kSecondCoeff], second));
+  if (cfg.has_noise && c[kAddNoise] != 0.f) prev = A::add(prev, A::scale(c[kNoiseScale], noise));
   return static_cast<scalar_t>(prev);
 }
 
