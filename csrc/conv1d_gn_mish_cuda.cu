@@ -298,14 +298,17 @@ int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias, const ConvGnMishProblem& p) {
   const int64_t pad = p.kernel_size / 2;
+  // Columns ordered (c_in, k) x (batch, position): one GEMM over every position at once
+  // (a per-batch matmul would be B GEMMs of only L columns each).
   const at::Tensor cols = at::constant_pad_nd(x.to(at::kFloat), {pad, pad})
                               .unfold(2, p.kernel_size, 1)  // [B, C_in, L, K]
-                              .permute({0, 1, 3, 2})
-                              .reshape({p.batch, p.in_channels * p.kernel_size, p.length});
+                              .permute({1, 3, 0, 2})
+                              .reshape({p.in_channels * p.kernel_size, p.batch * p.length});
   const at::Tensor w = weight.to(at::kFloat).reshape({p.out_channels, -1});
-  at::Tensor pre = at::matmul(w, cols);
-  if (bias.has_value()) pre.add_(bias->to(at::kFloat).unsqueeze(1));
-  return pre.contiguous();
+  const at::Tensor pre = bias.has_value()
+                             ? at::addmm(bias->to(at::kFloat).unsqueeze(1), w, cols)
+                             : at::mm(w, cols);
+  return pre.view({p.out_channels, p.batch, p.length}).permute({1, 0, 2}).contiguous();
 }
 
 }  // namespace

@@ -36,6 +36,9 @@ compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
 tail -4 "$OUT/sanitizer.log"
 
 echo "== benchmark: Conv1dBlock shapes"
-python3 scripts/bench_conv_blocks.py --batch 1 64 --json "$OUT/conv_blocks.json" 2>&1 \
-  | tee "$OUT/conv_blocks.txt" || status=1
+python3 scripts/bench_conv_blocks.py --batch 1 8 64 --sweep-paths --json "$OUT/conv_blocks.json" \
+  2>&1 | tee "$OUT/conv_blocks.txt" || status=1
+
+echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
+python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -2 || status=1
 exit $status
