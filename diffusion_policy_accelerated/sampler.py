@@ -1,0 +1,158 @@
+"""Diffusion Policy's `conditional_sample` (the whole denoising loop) as one CUDA graph.
+
+Per step the loop does: inpaint the known part of the trajectory, run the U-Net, take a
+DDPM/DDIM step. At batch 1 each step is a few hundred microseconds of GPU work but hundreds
+of kernel launches, so the loop is captured once per batch size (static input buffers, a
+warm-up on a side stream, capture) and every call copies its inputs in and replays it: one
+launch for the whole action chunk.
+
+Step-invariant work is hoisted out of the loop: the timestep MLP and the timestep half of
+every FiLM encoder are tabulated per schedule (they depend only on t), and the observation
+half of the FiLM encoders is computed once per call.
+
+Noise: the initial trajectory is drawn exactly as Diffusion Policy draws it,
+`torch.randn(condition_data.shape, generator=generator, ...)`, so with the same RNG state a
+DDIM (eta = 0) action equals Diffusion Policy's up to fp32 rounding. The per-step noise of
+DDPM (and DDIM with eta > 0) comes from ONE further draw of shape [steps, *shape] from the
+same generator, outside the graph: the same distribution as diffusers' per-step draws but not
+the same numbers. Pass `noise` ([steps + 1, *shape]: the initial trajectory, then step i's
+variance noise at index i + 1) to reproduce a run exactly.
+"""
+import sys
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .model import ConditionalUnet1D
+from .schedulers import DenoiseSchedule
+
+
+class GraphedSampler:
+    """`sampler(condition_data, condition_mask, local_cond, global_cond, generator)` returns
+    what Diffusion Policy's `conditional_sample` returns, as one CUDA graph replay per call
+    on CUDA (`use_cuda_graph=None` means: when the U-Net is on a CUDA device) and as the
+    same hoisted loop run eagerly otherwise.
+
+    One graph is captured per (batch, horizon, action dim, conditioning) on first use, with
+    a message on stderr. The U-Net's weights and the schedule must not change afterwards
+    (build a new sampler if they do); the graphs keep references to them.
+    """
+
+    def __init__(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule, *,
+                 use_cuda_graph: Optional[bool] = None):
+        if not isinstance(unet, ConditionalUnet1D):
+            raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got "
+                            f"{type(unet).__name__}")
+        if not isinstance(schedule, DenoiseSchedule):
+            raise TypeError(f"schedule must be a DenoiseSchedule, got {type(schedule).__name__}")
+        parameter = next(unet.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        if use_cuda_graph is None:
+            use_cuda_graph = self.device.type == "cuda"
+        if use_cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"use_cuda_graph needs the U-Net on a CUDA device, it is on {self.device}")
+        self.unet = unet
+        self.schedule = schedule.to(self.device)
+        self.use_cuda_graph = use_cuda_graph
+        self.num_steps = len(schedule.timesteps)
+        with torch.inference_mode():
+            self._film_per_step, self._film_weight = unet.film_embedding_tables(schedule.timesteps)
+        self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
+        self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
+
+    def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
+                 local_cond: Optional[torch.Tensor] = None,
+                 global_cond: Optional[torch.Tensor] = None,
+                 generator: Optional[torch.Generator] = None,
+                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+        self._check_inputs(condition_data, condition_mask, local_cond, global_cond, noise)
+        shape = condition_data.shape
+        if noise is None:
+            # Diffusion Policy's own first draw, then one draw for all the steps' noise.
+            like = dict(device=condition_data.device, dtype=condition_data.dtype)
+            initial = torch.randn(shape, generator=generator, **like)
+            steps_shape = (self.num_steps,) + tuple(shape)
+            # Draw step noise only if a step uses it, so that DDIM with eta = 0 consumes the
+            # generator exactly as Diffusion Policy does.
+            steps = (torch.randn(steps_shape, generator=generator, **like) if self._adds_noise
+                     else torch.zeros(steps_shape, **like))
+            noise = torch.cat([initial[None], steps])
+        inputs = dict(condition_data=condition_data, condition_mask=condition_mask,
+                      local_cond=local_cond, global_cond=global_cond, noise=noise)
+        inputs = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                  for k, v in inputs.items()}
+        with torch.inference_mode():
+            if not self.use_cuda_graph:
+                trajectory = self._loop(**inputs)
+            else:
+                key = (tuple(shape), local_cond is not None, global_cond is not None)
+                if key not in self._graphs:
+                    self._graphs[key] = _CapturedLoop(self, inputs)
+                trajectory = self._graphs[key].replay(inputs)
+        return trajectory.to(condition_data.dtype)
+
+    def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise):
+        """The hoisted denoising loop; run eagerly, or once under capture."""
+        film_observation = {}
+        if global_cond is not None:
+            features = torch.nn.functional.mish(global_cond)
+            film_observation = {m: features @ w.t() for m, w in self._film_weight.items()}
+        trajectory = noise[0]
+        for i in range(self.num_steps):
+            trajectory = torch.where(condition_mask, condition_data, trajectory)
+            films = {m: (table[i] + film_observation[m] if film_observation else
+                         table[i].expand(trajectory.shape[0], -1)).unsqueeze(-1)
+                     for m, table in self._film_per_step.items()}
+            model_output = self.unet(trajectory, None, local_cond=local_cond, film_embeddings=films)
+            step_noise = noise[i + 1] if self.schedule.needs_noise(i) else None
+            trajectory = self.schedule.step(model_output, i, trajectory, step_noise)
+        return torch.where(condition_mask, condition_data, trajectory)
+
+    def _check_inputs(self, condition_data, condition_mask, local_cond, global_cond, noise):
+        if condition_data.dim() != 3:
+            raise ValueError(f"condition_data must be [batch, horizon, action_dim], got "
+                             f"{list(condition_data.shape)}")
+        if condition_mask.shape != condition_data.shape or condition_mask.dtype != torch.bool:
+            raise ValueError(f"condition_mask must be a bool tensor shaped like condition_data "
+                             f"{list(condition_data.shape)}, got {condition_mask.dtype} "
+                             f"{list(condition_mask.shape)}")
+        input_dim = self.unet.final_conv[1].out_channels
+        if condition_data.shape[2] != input_dim:
+            raise ValueError(f"condition_data's last dim must be the U-Net's input_dim {input_dim}, "
+                             f"got {condition_data.shape[2]}")
+        expects_global = self._film_weight and next(iter(self._film_weight.values())).shape[1] > 0
+        if (global_cond is not None) != bool(expects_global):
+            raise ValueError("global_cond must be given exactly when the U-Net was built with "
+                             "global_cond_dim")
+        if (local_cond is not None) != (self.unet.local_cond_encoder is not None):
+            raise ValueError("local_cond must be given exactly when the U-Net was built with "
+                             "local_cond_dim")
+        if noise is not None and noise.shape != (self.num_steps + 1,) + tuple(condition_data.shape):
+            raise ValueError(f"noise must be [{self.num_steps + 1}, *condition_data.shape], got "
+                             f"{list(noise.shape)}")
+
+
+class _CapturedLoop:
+    """One captured `_loop` for fixed input shapes, with the static buffers it reads."""
+
+    def __init__(self, sampler: GraphedSampler, inputs: Dict[str, Optional[torch.Tensor]]):
+        batch = inputs["condition_data"].shape[0]
+        print(f"diffusion_policy_accelerated: capturing the {sampler.num_steps}-step denoising loop "
+              f"as a CUDA graph for batch {batch} (once per input shape)...", file=sys.stderr, flush=True)
+        self.static = {k: None if v is None else v.clone() for k, v in inputs.items()}
+        side = torch.cuda.Stream(device=sampler.device)
+        side.wait_stream(torch.cuda.current_stream(sampler.device))
+        with torch.cuda.stream(side):  # warm-up: lazy init, cuBLAS handles, allocator pools
+            sampler._loop(**self.static)
+        torch.cuda.current_stream(sampler.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = sampler._loop(**self.static)
+
+    def replay(self, inputs: Dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
+        for name, value in inputs.items():
+            if value is not None:
+                self.static[name].copy_(value)
+        self.graph.replay()
+        # A copy, so that the caller's result survives the next replay.
+        return self.output.clone()
