@@ -8,7 +8,10 @@ Diffusion Policy's model, e.g. `{k[6:]: v for k, v in ckpt['state_dicts']['ema_m
 if k.startswith('model.')}`); without it the U-Net has random weights of the lowdim Push-T
 size, which times exactly like a trained one.
 
-Both paths draw the same noise, so their actions must agree (printed as the max difference).
+"accelerated" is `GraphedSampler`: the fused ops, the FiLM encoders hoisted out of the loop
+and, on a GPU, the whole loop as one CUDA graph replay. Both paths get the same noise, so
+their actions must agree (printed as the max difference; the plain path runs with
+PyTorch's defaults, so on a GPU its cuDNN convs may use TF32).
 """
 import argparse
 import statistics
@@ -17,6 +20,7 @@ import time
 import torch
 
 from .model import ConditionalUnet1D
+from .sampler import GraphedSampler
 from .schedulers import DenoiseSchedule
 
 # Diffusion Policy's lowdim Push-T U-Net: action dim 2, 2 observation steps of 20 features
@@ -28,14 +32,15 @@ SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_start=0.0001, beta_end=0.0
                         steps_offset=0, prediction_type="epsilon", variance_type="fixed_small")
 
 
-def denoise(model, schedule, global_cond, noise, step_noise, fused):
-    """One action chunk: the whole reverse-diffusion loop from pure noise."""
-    model.use_fused_ops = fused
-    step = schedule.step if fused else schedule.reference_step
-    sample = noise
+def plain_denoise(model, schedule, global_cond, noise):
+    """Diffusion Policy's loop in plain PyTorch: eager U-Net, diffusers' step math."""
+    model.use_fused_ops = False
+    sample = noise[0]
     for i, t in enumerate(schedule.timesteps):
         model_output = model(sample, t, global_cond=global_cond)
-        sample = step(model_output, i, sample, step_noise[i] if schedule.needs_noise(i) else None)
+        sample = schedule.reference_step(model_output, i, sample,
+                                         noise[i + 1] if schedule.needs_noise(i) else None)
+    model.use_fused_ops = True
     return sample
 
 
@@ -65,32 +70,37 @@ def main(argv=None):
           f"{'loaded' if args.weights else 'random'} weights), {args.scheduler.upper()} {steps} steps, "
           f"batch {args.batch}, {args.dtype} on {device}", flush=True)
 
+    sampler = GraphedSampler(model, schedule)
     gen = torch.Generator(device).manual_seed(1)
     shape = (args.batch, 16, LOWDIM_UNET["input_dim"])
-    timings = {False: [], True: []}
+    no_inpainting = torch.zeros(shape, dtype=torch.bool, device=device)
+    methods = {"plain PyTorch": lambda cond, noise: plain_denoise(model, schedule, cond, noise),
+               "accelerated": lambda cond, noise: sampler(torch.zeros(shape, device=device, dtype=dtype),
+                                                         no_inpainting, global_cond=cond, noise=noise)}
+    timings = {name: [] for name in methods}
     max_diff = 0.0
     with torch.inference_mode():
         for action in range(args.actions + 1):  # the first round warms up and is not timed
             cond = torch.randn(args.batch, 40, device=device, dtype=dtype, generator=gen)
-            noise = torch.randn(shape, device=device, dtype=dtype, generator=gen)
-            step_noise = torch.randn((steps,) + shape, device=device, dtype=dtype, generator=gen)
+            noise = torch.randn((steps + 1,) + shape, device=device, dtype=dtype, generator=gen)
             actions = {}
-            for fused in (False, True):
+            for name, run in methods.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                actions[fused] = denoise(model, schedule, cond, noise, step_noise, fused)
+                actions[name] = run(cond, noise)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if action > 0:
-                    timings[fused].append(1e3 * (time.perf_counter() - start))
-            max_diff = max(max_diff, (actions[True].float() - actions[False].float()).abs().max().item())
+                    timings[name].append(1e3 * (time.perf_counter() - start))
+            max_diff = max(max_diff, (actions["accelerated"].float() - actions["plain PyTorch"].float())
+                           .abs().max().item())
             if action > 0:
-                print(f"  action {action}: plain {timings[False][-1]:8.1f} ms   "
-                      f"fused ops {timings[True][-1]:8.1f} ms", flush=True)
-    plain, fused = statistics.median(timings[False]), statistics.median(timings[True])
-    print(f"median ms per action: plain PyTorch {plain:.1f}, fused ops {fused:.1f} "
-          f"({plain / fused:.2f}x); max |action difference| {max_diff:.2e}")
+                print("  action {}: ".format(action) + "   ".join(
+                    f"{name} {times[-1]:8.1f} ms" for name, times in timings.items()), flush=True)
+    plain, fast = (statistics.median(timings[name]) for name in methods)
+    print(f"median ms per action: plain PyTorch {plain:.1f}, accelerated {fast:.2f} "
+          f"({plain / fast:.1f}x); max |action difference| {max_diff:.2e}")
 
 
 if __name__ == "__main__":

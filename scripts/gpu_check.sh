@@ -35,10 +35,14 @@ compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
   python3 scripts/sanitize_case.py >"$OUT/sanitizer.log" 2>&1 || status=1
 tail -4 "$OUT/sanitizer.log"
 
-echo "== benchmark: Conv1dBlock shapes"
-python3 scripts/bench_conv_blocks.py --batch 1 8 64 --sweep-paths --json "$OUT/conv_blocks.json" \
-  2>&1 | tee "$OUT/conv_blocks.txt" || status=1
+echo "== benchmark: Conv1dBlock shapes (DPA_SWEEP=1 also times both CUDA routes)"
+python3 scripts/bench_conv_blocks.py --batch 1 8 64 ${DPA_SWEEP:+--sweep-paths} \
+  --json "$OUT/conv_blocks.json" >"$OUT/conv_blocks.txt" 2>&1 || status=1
+grep -E "^(NVIDIA|U-Net|batch 1)" "$OUT/conv_blocks.txt"
 
 echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
-python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -2 || status=1
+python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -1 || status=1
+
+echo "== benchmark: ms per action chunk, side by side"
+python3 scripts/benchmark.py --out "$OUT" ${DPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.txt" || status=1
 exit $status

@@ -1,0 +1,190 @@
+"""Milliseconds per action chunk, side by side, for Diffusion Policy's lowdim and image U-Nets:
+
+  eager     PyTorch U-Net + diffusers' scheduler, step by step (what Diffusion Policy does)
+  graph     the same loop in pure PyTorch, captured whole as one CUDA graph
+  compile   torch.compile(mode="max-autotune") U-Net + diffusers (only with --compile: minutes)
+  ours      GraphedSampler (fused ops, hoisted FiLM, one graph), fp32 / bf16 / fp16 weights
+
+Per row: ms per action, µs per step, speed-ups over eager / graph / compile, and the ratio to
+the floor: the weight bytes one step must read (every conv of the U-Net) over the
+device-to-device copy bandwidth measured in the same run. Medians of CUDA-event timings after
+warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
+
+    python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--compile] [--out DIR]
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from diffusers import DDIMScheduler, DDPMScheduler
+
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.sampler import GraphedSampler
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_conv_blocks import copy_bandwidth_gbs  # noqa: E402
+
+UNETS = {  # Diffusion Policy's Push-T configs: lowdim (20-dim obs) and image (ResNet features)
+    "lowdim": dict(input_dim=2, global_cond_dim=40, down_dims=[256, 512, 1024], kernel_size=5,
+                   n_groups=8, cond_predict_scale=True),
+    "image": dict(input_dim=2, global_cond_dim=1028, down_dims=[512, 1024, 2048], kernel_size=5,
+                  n_groups=8, cond_predict_scale=True),
+}
+SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
+                        prediction_type="epsilon", set_alpha_to_one=True, steps_offset=0)
+SCHEDULES = {"DDPM-100": (DDPMScheduler, 100), "DDIM-16": (DDIMScheduler, 16)}
+HORIZON = 16
+
+
+def median_ms(fn, warmup=2, reps=7):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def dp_loop(unet, scheduler, steps, data, mask, global_cond, generator):
+    """Diffusion Policy's conditional_sample, verbatim in structure."""
+    trajectory = torch.randn(data.shape, device=data.device, dtype=data.dtype, generator=generator)
+    scheduler.set_timesteps(steps)
+    for t in scheduler.timesteps:
+        trajectory[mask] = data[mask]
+        model_output = unet(trajectory, t, global_cond=global_cond)
+        trajectory = scheduler.step(model_output, t, trajectory, generator=generator).prev_sample
+    trajectory[mask] = data[mask]
+    return trajectory
+
+
+def graphed_pytorch_loop(unet, schedule, data, mask, global_cond, noise):
+    """The loop in pure PyTorch ops (plain U-Net, diffusers' step math) as one CUDA graph."""
+    timesteps = schedule.timesteps.to(data.device)
+
+    def loop():
+        trajectory = noise[0]
+        for i in range(len(timesteps)):
+            trajectory = torch.where(mask, data, trajectory)
+            eps = unet(trajectory, timesteps[i], global_cond=global_cond)
+            trajectory = schedule.reference_step(eps, i, trajectory,
+                                                 noise[i + 1] if schedule.needs_noise(i) else None)
+        return torch.where(mask, data, trajectory)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        loop()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loop()
+    return graph.replay
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--unet", nargs="+", default=list(UNETS), choices=list(UNETS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
+    parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
+    args = parser.parse_args()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = True
+    bandwidth = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off (baselines)  "
+          f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    header = (f"{'U-Net':7} {'schedule':9} {'B':>3} {'method':13} {'ms/action':>10} {'us/step':>9} "
+              f"{'vs eager':>8} {'vs graph':>8} {'vs compile':>10} {'x floor':>8}")
+    print(header, flush=True)
+    rows = []
+    for unet_name in args.unet:
+        torch.manual_seed(0)
+        base = ConditionalUnet1D(**UNETS[unet_name]).cuda().eval()
+        conv_params = sum(m.weight.numel() for m in base.modules()
+                          if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)))
+        for schedule_name in args.schedule:
+            scheduler_cls, steps = SCHEDULES[schedule_name]
+            scheduler = scheduler_cls(**SCHEDULER_CONFIG)
+            schedule = DenoiseSchedule.from_diffusers(scheduler, steps).to("cuda")
+            compiled = torch.compile(base, mode="max-autotune") if args.compile else None
+            for batch in args.batch:
+                gen = torch.Generator("cuda").manual_seed(0)
+                data = torch.randn(batch, HORIZON, 2, device="cuda", generator=gen)
+                mask = torch.zeros_like(data, dtype=torch.bool)
+                global_cond = torch.randn(batch, UNETS[unet_name]["global_cond_dim"], device="cuda", generator=gen)
+                noise = torch.randn((steps + 1,) + tuple(data.shape), device="cuda", generator=gen)
+                methods = {}
+                with torch.inference_mode():
+                    base.use_fused_ops = False
+                    methods["eager"] = lambda: dp_loop(base, scheduler, steps, data, mask, global_cond, gen)
+                    methods["graph"] = graphed_pytorch_loop(base, schedule, data, mask, global_cond, noise)
+                    if compiled is not None:
+                        methods["compile"] = lambda: dp_loop(compiled, scheduler, steps, data, mask, global_cond, gen)
+                    results = {}
+                    for name, fn in methods.items():
+                        results[name] = median_ms(fn, reps=3 if name == "eager" else 7)
+                    base.use_fused_ops = True
+                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        unet = base if dtype == torch.float32 else \
+                            ConditionalUnet1D(**UNETS[unet_name]).cuda().eval().to(dtype)
+                        if unet is not base:
+                            unet.load_state_dict(base.state_dict())
+                        sampler = GraphedSampler(unet, schedule)
+                        label = f"ours {str(dtype)[6:]}"
+                        results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
+                        floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
+                        results[label + "/floor"] = floor_ms
+                fp32_floor = conv_params * 4 / (bandwidth * 1e9) * 1e3 * steps
+                for name, ms in results.items():
+                    if name.endswith("/floor"):
+                        continue
+                    floor = results.get(name + "/floor", fp32_floor)
+                    ratio = lambda other: f"{results[other] / ms:7.2f}x" if other in results else f"{'-':>8}"
+                    row = dict(unet=unet_name, schedule=schedule_name, batch=batch, method=name,
+                               ms_per_action=ms, us_per_step=1e3 * ms / steps, floor_ms=floor,
+                               device=torch.cuda.get_device_name(), torch=torch.__version__)
+                    rows.append(row)
+                    print(f"{unet_name:7} {schedule_name:9} {batch:3} {name:13} {ms:10.2f} {row['us_per_step']:9.1f} "
+                          f"{ratio('eager'):>8} {ratio('graph'):>8} {ratio('compile'):>10} {ms / floor:7.1f}x",
+                          flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmark.json").write_text(json.dumps(dict(copy_bandwidth_gbs=bandwidth, rows=rows), indent=1))
+    plot(rows, out / "benchmark.png")
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["unet"], r["schedule"], r["batch"]) for r in rows}, key=str)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs)), 4.5))
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        values = [next((r["ms_per_action"] for r in rows if (r["unet"], r["schedule"], r["batch"]) == c
+                        and r["method"] == method), float("nan")) for c in configs]
+        ax.bar([i + k * width for i in range(len(configs))], values, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"{u}\n{s}\nB={b}" for u, s, b in configs], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per action chunk (log)")
+    ax.set_title(f"Diffusion Policy denoising loop, {rows[0]['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
