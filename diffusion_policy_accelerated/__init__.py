@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ConditionalUnet1D": "model",
     "DenoiseSchedule": "schedulers",
+    "accelerate": "integration",
     "conv1d_gn_mish": "ops",
     "denoise_step": "ops",
     "built_with_cuda": "ops",

@@ -34,7 +34,7 @@ UNETS = {  # Diffusion Policy's Push-T configs: lowdim (20-dim obs) and image (R
                   n_groups=8, cond_predict_scale=True),
 }
 SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
-                        prediction_type="epsilon", set_alpha_to_one=True, steps_offset=0)
+                        prediction_type="epsilon")
 SCHEDULES = {"DDPM-100": (DDPMScheduler, 100), "DDIM-16": (DDIMScheduler, 16)}
 HORIZON = 16
 
