@@ -1,0 +1,160 @@
+"""`accelerate(policy)`: Diffusion Policy's U-Net policies, sampling through this package.
+
+Diffusion Policy's `DiffusionUnetLowdimPolicy`, `DiffusionUnetImagePolicy` and
+`DiffusionUnetHybridImagePolicy` keep the noise predictor in `policy.model`, the diffusers
+scheduler in `policy.noise_scheduler`, and the denoising loop in `policy.conditional_sample`,
+which their `predict_action` calls after normalising and encoding the observations.
+`accelerate` replaces the first with this package's `ConditionalUnet1D` (same weights) and the
+last with a `GraphedSampler`, so observation encoding, normalisation and action slicing stay
+Diffusion Policy's own code. The policies are recognised by those attributes (duck typing):
+the diffusion_policy package is never imported.
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .model import ConditionalUnet1D
+from .sampler import GraphedSampler
+from .schedulers import DenoiseSchedule
+
+__all__ = ["accelerate", "unet_from_diffusion_policy"]
+
+POLICY_ATTRIBUTES = ("model", "noise_scheduler", "num_inference_steps", "conditional_sample")
+UNET_ATTRIBUTES = ("diffusion_step_encoder", "down_modules", "mid_modules", "up_modules",
+                   "final_conv")
+# The keyword arguments of DDIMScheduler.step that change its result; Diffusion Policy
+# forwards `policy.kwargs` to `scheduler.step` on every step.
+DDIM_STEP_OPTIONS = ("eta", "use_clipped_model_output")
+
+
+def unet_from_diffusion_policy(dp_model: nn.Module) -> ConditionalUnet1D:
+    """This package's `ConditionalUnet1D` built with the constructor arguments of `dp_model`
+    (Diffusion Policy's `ConditionalUnet1D`), read off its module structure, holding its
+    weights (loaded strictly), on its device, in its dtype and training mode."""
+    missing = [name for name in UNET_ATTRIBUTES if not hasattr(dp_model, name)]
+    if missing:
+        raise TypeError(
+            f"policy.model is a {type(dp_model).__name__} without {missing}, not Diffusion Policy's "
+            f"ConditionalUnet1D: only the U-Net (CNN) policies are supported, transformer policies "
+            f"(TransformerForDiffusion) are not")
+    try:
+        first_block = dp_model.down_modules[0][0]
+        first_conv = first_block.blocks[0].block[0]
+        step_embed_dim = dp_model.diffusion_step_encoder[1].in_features
+        film = first_block.cond_encoder[1]
+        local_encoder = dp_model.local_cond_encoder
+        config = dict(
+            input_dim=dp_model.final_conv[1].out_channels,
+            local_cond_dim=(None if local_encoder is None
+                            else local_encoder[0].blocks[0].block[0].in_channels),
+            # The FiLM encoders read cat(timestep embedding, global_cond).
+            global_cond_dim=film.in_features - step_embed_dim or None,
+            diffusion_step_embed_dim=step_embed_dim,
+            down_dims=[level[0].blocks[0].block[0].out_channels for level in dp_model.down_modules],
+            kernel_size=first_conv.kernel_size[0],
+            n_groups=first_block.blocks[0].block[1].num_groups,
+            # Predicting a FiLM scale doubles the encoder's output: a scale and a bias per channel.
+            cond_predict_scale=film.out_features == 2 * first_conv.out_channels,
+        )
+    except (AttributeError, IndexError, TypeError) as error:
+        raise TypeError(f"policy.model ({type(dp_model).__name__}) does not have the module "
+                        f"layout of Diffusion Policy's ConditionalUnet1D: {error}") from error
+    unet = ConditionalUnet1D(**config)
+    unet.load_state_dict(dp_model.state_dict(), strict=True)
+    parameter = next(dp_model.parameters())
+    return unet.to(device=parameter.device, dtype=parameter.dtype).train(dp_model.training)
+
+
+def _ddim_step_options(step_kwargs: dict) -> Tuple[float, bool]:
+    """(eta, use_clipped_model_output) from the keyword arguments Diffusion Policy passes to
+    `scheduler.step`; a DDPM schedule rejects non-default values when it is built."""
+    unknown = sorted(set(step_kwargs) - set(DDIM_STEP_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"scheduler.step keyword arguments {unknown} (from policy.kwargs) are not supported by "
+            f"accelerate(); only DDIMScheduler's {list(DDIM_STEP_OPTIONS)} are")
+    return (float(step_kwargs.get("eta", 0.0)),
+            bool(step_kwargs.get("use_clipped_model_output", False)))
+
+
+class _AcceleratedConditionalSample:
+    """Stands in for the policy's `conditional_sample` method, with its signature.
+
+    Diffusion Policy reads `num_inference_steps` and the step options on every call, and the
+    sampler keeps tensors on the U-Net's device and in its dtype; so a change to any of these
+    (say `policy.to("cuda")` after accelerate()) builds a new sampler (and, on CUDA, captures
+    new graphs) instead of sampling with a stale schedule or tables.
+    """
+
+    def __init__(self, policy, unet: ConditionalUnet1D):
+        self.policy = policy
+        self.unet = unet
+        self.sampler_key = None
+        self.sampler: Optional[GraphedSampler] = None
+        self._sampler_for(getattr(policy, "kwargs", {}))
+
+    def _sampler_for(self, step_kwargs: dict) -> GraphedSampler:
+        eta, use_clipped_model_output = _ddim_step_options(step_kwargs)
+        parameter = next(self.unet.parameters())
+        key = (self.policy.num_inference_steps, eta, use_clipped_model_output, parameter.device,
+               parameter.dtype)
+        if key != self.sampler_key:
+            schedule = DenoiseSchedule.from_diffusers(
+                self.policy.noise_scheduler, self.policy.num_inference_steps, eta=eta,
+                use_clipped_model_output=use_clipped_model_output)
+            self.sampler = GraphedSampler(self.unet, schedule)
+            self.sampler_key = key
+        return self.sampler
+
+    def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
+                 local_cond: Optional[torch.Tensor] = None,
+                 global_cond: Optional[torch.Tensor] = None,
+                 generator: Optional[torch.Generator] = None, **step_kwargs) -> torch.Tensor:
+        # The sampler casts the inputs to the U-Net's dtype and the result back to
+        # condition_data's, and draws the initial noise in condition_data's dtype as
+        # Diffusion Policy does.
+        return self._sampler_for(step_kwargs)(condition_data, condition_mask, local_cond=local_cond,
+                                              global_cond=global_cond, generator=generator)
+
+
+def accelerate(policy, dtype: Optional[torch.dtype] = None):
+    """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) sample with this
+    package, in place, and return it.
+
+    `policy.model` becomes this package's `ConditionalUnet1D` with the same weights (so
+    `policy.state_dict()` keeps its keys), converted to `dtype` if given (e.g.
+    `torch.bfloat16`; the policy's inputs and actions keep their dtype), and
+    `policy.conditional_sample` a `GraphedSampler` (one CUDA graph replay per call on CUDA,
+    the same loop eagerly on the CPU), so `policy.predict_action(obs_dict)` returns what it
+    did. The original U-Net stays reachable as `policy._dpa_original_model`.
+
+    The policy must be in eval mode and its scheduler a DDPMScheduler or DDIMScheduler with
+    options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`) and
+    changing `num_inference_steps` are followed; changing the U-Net's weights is not: the
+    sampler tabulates parts of the U-Net.
+    """
+    missing = [name for name in POLICY_ATTRIBUTES if not hasattr(policy, name)]
+    if missing:
+        raise TypeError(f"{type(policy).__name__} has no {missing}: accelerate() takes a Diffusion "
+                        f"Policy U-Net policy (DiffusionUnetLowdimPolicy, DiffusionUnetImagePolicy "
+                        f"or DiffusionUnetHybridImagePolicy)")
+    if "_dpa_original_model" in vars(policy):
+        raise ValueError("this policy is already accelerated (its original U-Net is "
+                         "policy._dpa_original_model); accelerate a fresh policy instead")
+    if policy.training:
+        raise ValueError("the policy is in training mode: call policy.eval() before accelerate(), "
+                         "which is for inference")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    unet = unet_from_diffusion_policy(policy.model).eval()
+    if dtype is not None:
+        unet = unet.to(dtype=dtype)
+    conditional_sample = _AcceleratedConditionalSample(policy, unet)
+    # Kept out of the module tree (not a registered submodule), so that the policy's
+    # state_dict, parameters and .to() see only the U-Net that is used.
+    vars(policy)["_dpa_original_model"] = policy.model
+    policy.model = unet
+    # An instance attribute shadows the class's method, which is what predict_action calls.
+    policy.conditional_sample = conditional_sample
+    return policy
