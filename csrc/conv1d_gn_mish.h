@@ -28,8 +28,9 @@ ConvGnMishProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tenso
 #ifdef DPA_WITH_CUDA
 // The CUDA implementation switches from its weight-streaming kernel to im2col + cuBLAS GEMM
 // when batch * length reaches this; adjustable (ops.set_gemm_path_min_positions) so the
-// benchmark can time both paths on one GPU.
-constexpr int64_t kDefaultGemmPathMinPositions = 256;
+// benchmark can time both paths on one GPU. 32: the crossover measured on an H100 over
+// every Conv1dBlock shape of the lowdim and image U-Nets at batch 1, 8 and 64 (BENCHMARKS.md).
+constexpr int64_t kDefaultGemmPathMinPositions = 32;
 extern std::atomic<int64_t> gemm_path_min_positions;
 #endif
 
