@@ -168,7 +168,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = sorted({(r["unet"], r["schedule"], r["batch"]) for r in rows}, key=str)
+    configs = sorted({(r["unet"], r["schedule"], r["batch"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs)), 4.5))
     width = 0.8 / len(methods)
