@@ -173,32 +173,6 @@ def test_reciprocal_columns_are_float32_reciprocals():
     np.testing.assert_array_equal(table[:, 3], np.float32(1) / table[:, 1])
 
 
-@pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_reference_step_equals_diffusers(kind, config, num_inference_steps, step_kwargs):
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs)
-    denoise_alongside_diffusers(scheduler, schedule, schedule.reference_step, step_kwargs,
-                                assert_bitwise_equal)
-
-
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-@pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_reference_step_equals_diffusers_in_half_precision(kind, config, num_inference_steps,
-                                                           step_kwargs, dtype):
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs)
-    denoise_alongside_diffusers(scheduler, schedule, schedule.reference_step, step_kwargs,
-                                assert_bitwise_equal, dtype=dtype)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_reference_step_equals_diffusers_on_cuda(kind, config, num_inference_steps, step_kwargs,
-                                                 dtype):
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs, device="cuda")
-    denoise_alongside_diffusers(scheduler, schedule, schedule.reference_step, step_kwargs,
-                                assert_bitwise_equal, dtype=dtype, device="cuda")
-
-
 def test_config_mappings_and_defaults():
     scheduler = DDIMScheduler(**DP_DDIM)
     from_object = DenoiseSchedule.from_diffusers(scheduler, 16, eta=0.5)
@@ -324,38 +298,21 @@ def test_bad_step_index_raises(index):
         schedule.reference_step(x, index, x, x)
 
 
-# ---------------------------------------------------------------------------------------
-# The compiled op, through DenoiseSchedule.step.
-# ---------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_op_equals_diffusers_cpu_fp32(kind, config, num_inference_steps, step_kwargs):
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs)
-    denoise_alongside_diffusers(scheduler, schedule, schedule.step, step_kwargs,
-                                assert_bitwise_equal)
-
-
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
-@pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_op_equals_diffusers_cpu_half_precision(kind, config, num_inference_steps, step_kwargs,
-                                                dtype):
-    # PyTorch's CPU kernels round a leading 0-dim float32 scalar to a half-precision tensor's
-    # dtype (`coeff * tensor`, which is how diffusers writes every product) but divide by a
-    # trailing one in float32; the op's CPU kernel does the same, so it is exact here too.
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs)
-    denoise_alongside_diffusers(scheduler, schedule, schedule.step, step_kwargs,
-                                assert_bitwise_equal, dtype=dtype)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("implementation", ["reference_step", "step"])
 @pytest.mark.parametrize("kind,config,num_inference_steps,step_kwargs", STEP_CASES)
-def test_op_equals_diffusers_cuda(kind, config, num_inference_steps, step_kwargs, dtype):
-    # On CUDA PyTorch keeps CPU scalars in float32 for every product and divides by one
-    # through its float32 reciprocal, which is what the op does: exact in every dtype.
-    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs, device="cuda")
-    denoise_alongside_diffusers(scheduler, schedule, schedule.step, step_kwargs,
-                                assert_bitwise_equal, dtype=dtype, device="cuda")
+def test_step_equals_diffusers(kind, config, num_inference_steps, step_kwargs, implementation,
+                               dtype, device):
+    """Bit for bit, step by step over whole loops, in every dtype on both devices, for the
+    pure-torch reference and for the compiled op. The op follows each device's rules for a
+    0-dim float32 scalar times a half-precision tensor: PyTorch's CPU kernels round a leading
+    scalar to the tensor's dtype (`coeff * tensor`, how diffusers writes every product) and
+    divide by a trailing one in float32; its CUDA kernels keep every scalar in float32 and
+    divide through the float32 reciprocal."""
+    scheduler, schedule = make_pair(kind, config, num_inference_steps, step_kwargs, device=device)
+    denoise_alongside_diffusers(scheduler, schedule, getattr(schedule, implementation), step_kwargs,
+                                assert_bitwise_equal, dtype=dtype, device=device)
 
 
 def test_op_ignores_noise_where_diffusers_adds_none():
