@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 __all__ = [
+    "conv1d_block_shapes",
     "SinusoidalPosEmb",
     "Downsample1d",
     "Upsample1d",
@@ -135,15 +136,14 @@ class Conv1dBlock(nn.Module):
             # The fused op has no backward: keep training (and input-gradient guidance)
             # on the differentiable path.
             return False
-        if torch.is_autocast_enabled(x.device.type):
-            return False
         # The kernel implements exactly the convolution this class builds; refuse anything
         # a user may have swapped in after construction (even kernels, strides, ...).
         if (conv.kernel_size[0] % 2 != 1 or conv.stride != (1,) or conv.dilation != (1,)
                 or conv.groups != 1 or conv.padding != (conv.kernel_size[0] // 2,)
                 or conv.padding_mode != "zeros" or not isinstance(self.block[2], nn.Mish)):
             return False
-        return _fused_device_ok(x.device)
+        # The device first: autocast cannot even be queried for some (meta, say).
+        return _fused_device_ok(x.device) and not torch.is_autocast_enabled(x.device.type)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._can_fuse(x):
@@ -392,3 +392,29 @@ class ConditionalUnet1D(nn.Module):
 
         x = self.final_conv(x)
         return x.transpose(1, 2)
+
+
+def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -> List[Tuple[int, ...]]:
+    """(batch, in_channels, out_channels, length, kernel_size, groups) of every Conv1dBlock
+    call of one forward pass, in call order: the shapes the fused op serves for this U-Net
+    and horizon. Found by running the model, so any configuration works; a model built under
+    `torch.device("meta")` answers instantly."""
+    device = next(unet.parameters()).device
+    calls = []
+    hooks = [block.register_forward_hook(lambda m, args, out: calls.append(
+        (args[0].shape[0], args[0].shape[1], out.shape[1], args[0].shape[2],
+         m.block[0].kernel_size[0], m.block[1].num_groups)))
+        for block in unet.modules() if isinstance(block, Conv1dBlock)]
+    input_dim = unet.final_conv[1].out_channels
+    global_dim = unet.mid_modules[0].cond_encoder[1].in_features - unet.diffusion_step_encoder[1].in_features
+    local_dim = None if unet.local_cond_encoder is None else \
+        unet.local_cond_encoder[0].blocks[0].block[0].in_channels
+    try:
+        with torch.no_grad():
+            unet(torch.zeros(batch, horizon, input_dim, device=device), 0,
+                 local_cond=None if local_dim is None else torch.zeros(batch, horizon, local_dim, device=device),
+                 global_cond=torch.zeros(batch, global_dim, device=device) if global_dim else None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [tuple(int(v) for v in call) for call in calls]

@@ -20,26 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
+from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
 
 UNETS = {"lowdim [256,512,1024]": [256, 512, 1024], "image [512,1024,2048]": [512, 1024, 2048]}
 
 
 def conv_block_shapes(down_dims, horizon=16, input_dim=2, kernel_size=5):
-    """(in_channels, out_channels, length, kernel_size, groups) of every Conv1dBlock call, in
-    forward order, found by running the model rather than from a list."""
-    model = ConditionalUnet1D(input_dim, global_cond_dim=32, down_dims=down_dims,
-                              kernel_size=kernel_size).eval()
-    model.use_fused_ops = False
-    shapes = []
-    hooks = [m.register_forward_hook(lambda m, i, o: shapes.append(
-        (i[0].shape[1], o.shape[1], i[0].shape[2], m.block[0].kernel_size[0], m.block[1].num_groups)))
-        for m in model.modules() if isinstance(m, Conv1dBlock)]
-    with torch.no_grad():
-        model(torch.randn(1, horizon, input_dim), 0, global_cond=torch.randn(1, 32))
-    for h in hooks:
-        h.remove()
-    return shapes
+    """(in_channels, out_channels, length, kernel_size, groups) of every Conv1dBlock call of
+    Diffusion Policy's Push-T U-Net with these widths, read off a forward pass."""
+    with torch.device("meta"):
+        model = ConditionalUnet1D(input_dim, global_cond_dim=32, down_dims=down_dims,
+                                  kernel_size=kernel_size, cond_predict_scale=True)
+    return [call[1:] for call in conv1d_block_shapes(model, horizon)]
 
 
 def graph_time_ms(fn, copies, replays=30):

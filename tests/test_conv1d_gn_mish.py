@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
 from conftest import DEVICES, poison_allocator
 
 # Tolerances per dtype (compared after the output is rounded to that dtype):
@@ -16,15 +17,19 @@ TOLERANCES = {
     torch.bfloat16: dict(atol=3e-2, rtol=2e-2),
 }
 
-# (batch, in_channels, out_channels, length, kernel_size, groups): every Conv1dBlock shape of
-# the [256,512,1024] and [512,1024,2048] U-Nets at horizon 16, plus odd sizes around them.
-UNET_SHAPES = [
-    (1, 2, 256, 16, 5, 8), (1, 256, 256, 16, 5, 8), (1, 256, 512, 8, 5, 8),
-    (1, 512, 512, 8, 5, 8), (1, 512, 1024, 4, 5, 8), (1, 1024, 1024, 4, 5, 8),
-    (1, 2048, 512, 8, 5, 8), (1, 1024, 256, 16, 5, 8),
-    (1, 10, 512, 16, 5, 8), (1, 512, 1024, 8, 5, 8), (1, 1024, 2048, 4, 5, 8),
-    (1, 2048, 2048, 4, 5, 8), (1, 4096, 1024, 8, 5, 8), (1, 2048, 512, 16, 5, 8),
-]
+
+
+def unet_block_shapes(down_dims, input_dim):
+    """Every distinct Conv1dBlock shape of a Diffusion Policy U-Net at horizon 16, batch 1,
+    read off a forward pass on the meta device (no weights allocated)."""
+    with torch.device("meta"):
+        unet = ConditionalUnet1D(input_dim, global_cond_dim=8, down_dims=down_dims, kernel_size=5)
+    return sorted(set(conv1d_block_shapes(unet, horizon=16)))
+
+
+# (batch, in_channels, out_channels, length, kernel_size, groups): the lowdim and image U-Nets
+# (action dims 2 and 10), then odd sizes around them.
+UNET_SHAPES = unet_block_shapes([256, 512, 1024], 2) + unet_block_shapes([512, 1024, 2048], 10)
 ODD_SHAPES = [
     (3, 2, 2, 1, 1, 1), (3, 7, 6, 3, 3, 3), (1, 3, 12, 2, 3, 4), (3, 33, 40, 17, 5, 5),
     (2, 5, 64, 64, 7, 16), (1, 16, 32, 20, 9, 8), (3, 64, 96, 5, 3, 32), (1, 64, 8, 33, 5, 8),

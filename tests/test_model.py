@@ -403,3 +403,18 @@ def test_fused_cuda(name, dtype, counted_ops, no_tf32):
     assert model_mod._ops().built_with_cuda(), "a CUDA machine must run the CUDA build"
     batch, horizon = (8, 16) if name == "default" else (None, None)
     _check_fused(name, dtype, "cuda", counted_ops, batch=batch, horizon=horizon)
+
+
+def test_conv1d_block_shapes_lists_every_fused_call():
+    from diffusion_policy_accelerated.model import conv1d_block_shapes
+    with torch.device("meta"):
+        unet = ConditionalUnet1D(2, global_cond_dim=4, down_dims=[32, 64, 128], kernel_size=5)
+        with_local = ConditionalUnet1D(2, local_cond_dim=3, down_dims=[32, 64, 128], kernel_size=3,
+                                       n_groups=4)
+    # 3 down levels x 2 residual blocks x 2 Conv1dBlocks, 2 mid blocks x 2, 2 up levels x 2 x 2,
+    # and the final block: 25; the local-cond encoder adds 2 residual blocks x 2.
+    shapes = conv1d_block_shapes(unet, horizon=16, batch=3)
+    assert len(shapes) == 25 and len(conv1d_block_shapes(with_local, horizon=8)) == 29
+    assert shapes[0] == (3, 2, 32, 16, 5, 8)          # input_dim -> down_dims[0], full horizon
+    assert shapes[-1] == (3, 32, 32, 16, 5, 8)         # final block: n_groups is always 8
+    assert (3, 128, 128, 4, 5, 8) in shapes            # the mid blocks run at horizon / 4
