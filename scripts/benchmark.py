@@ -5,8 +5,9 @@
   compile   torch.compile(mode="max-autotune") U-Net + diffusers (only with --compile: minutes)
   ours      GraphedSampler (fused ops, hoisted FiLM, one graph), fp32 / bf16 / fp16 weights
 
-Per row: ms per action, µs per step, speed-ups over eager / graph / compile, and the ratio to
-the floor: the weight bytes one step must read (every conv of the U-Net) over the
+Per row: ms per action, µs per step, speed-ups over eager / graph / compile, the ratio to the
+floor, and for half-precision weights the largest action difference from ours in fp32 on the
+same noise and observations. The floor: the weight bytes one step must read (every conv of the U-Net) over the
 device-to-device copy bandwidth measured in the same run. Medians of CUDA-event timings after
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
@@ -104,7 +105,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off (baselines)  "
           f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     header = (f"{'U-Net':7} {'schedule':9} {'B':>3} {'method':13} {'ms/action':>10} {'us/step':>9} "
-              f"{'vs eager':>8} {'vs graph':>8} {'vs compile':>10} {'x floor':>8}")
+              f"{'vs eager':>8} {'vs graph':>8} {'vs compile':>10} {'x floor':>8} {'max|da| fp32':>12}")
     print(header, flush=True)
     rows = []
     for unet_name in args.unet:
@@ -134,6 +135,7 @@ def main():
                     for name, fn in methods.items():
                         results[name] = median_ms(fn, reps=3 if name == "eager" else 7)
                     base.use_fused_ops = True
+                    actions = {}
                     for dtype in (torch.float32, torch.bfloat16, torch.float16):
                         unet = base if dtype == torch.float32 else \
                             ConditionalUnet1D(**UNETS[unet_name]).cuda().eval().to(dtype)
@@ -142,6 +144,7 @@ def main():
                         sampler = GraphedSampler(unet, schedule)
                         label = f"ours {str(dtype)[6:]}"
                         results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
+                        actions[dtype] = sampler(data, mask, global_cond=global_cond, noise=noise)
                         floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
                         results[label + "/floor"] = floor_ms
                 fp32_floor = conv_params * 4 / (bandwidth * 1e9) * 1e3 * steps
@@ -150,13 +153,18 @@ def main():
                         continue
                     floor = results.get(name + "/floor", fp32_floor)
                     ratio = lambda other: f"{results[other] / ms:7.2f}x" if other in results else f"{'-':>8}"
+                    dtype = {"ours bfloat16": torch.bfloat16, "ours float16": torch.float16}.get(name)
+                    # Same noise and observations: how far half-precision weights move the action.
+                    error = None if dtype is None else \
+                        (actions[dtype] - actions[torch.float32]).abs().max().item()
                     row = dict(unet=unet_name, schedule=schedule_name, batch=batch, method=name,
                                ms_per_action=ms, us_per_step=1e3 * ms / steps, floor_ms=floor,
+                               action_error_vs_fp32=error,
                                device=torch.cuda.get_device_name(), torch=torch.__version__)
                     rows.append(row)
                     print(f"{unet_name:7} {schedule_name:9} {batch:3} {name:13} {ms:10.2f} {row['us_per_step']:9.1f} "
-                          f"{ratio('eager'):>8} {ratio('graph'):>8} {ratio('compile'):>10} {ms / floor:7.1f}x",
-                          flush=True)
+                          f"{ratio('eager'):>8} {ratio('graph'):>8} {ratio('compile'):>10} {ms / floor:7.1f}x"
+                          + ("" if error is None else f" {error:12.2e}"), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "benchmark.json").write_text(json.dumps(dict(copy_bandwidth_gbs=bandwidth, rows=rows), indent=1))
