@@ -1,7 +1,7 @@
 """Loads the compiled ops: the prebuilt `_C` module, or a JIT build of the same sources.
 
 Importing the module runs its static `TORCH_LIBRARY` registrations, after which the ops
-live under `torch.ops.dpa`.
+live under `torch.ops.dpa`. setup.py builds from the same settings (archs, flags).
 """
 import os
 import sys
@@ -9,42 +9,62 @@ from pathlib import Path
 
 import torch
 
-_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# Ampere (A100, RTX 30xx; Jetson Orin's 8.7 runs the 8.0 code), Ada (RTX 40xx, L4) and Hopper
+# (H100/H200); the PTX of 9.0 lets newer GPUs JIT it.
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+CXX_FLAGS = ["-O3", "-ffp-contract=off"]  # no FMA contraction: denoise_step is bit-exact
+NVCC_FLAGS = ["-O3", "-lineinfo"]
 
 
-def _jit_build():
-    from torch.utils.cpp_extension import CUDA_HOME, load
+def cuda_build_reason():
+    """None when the CUDA kernels can be built here, else why not."""
+    from torch.utils.cpp_extension import CUDA_HOME
 
-    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
-    sources = sorted(str(p) for p in _CSRC.glob("*.cpp"))
-    if with_cuda:
-        sources += sorted(str(p) for p in _CSRC.glob("*.cu"))
-    if not sources:
+    if os.environ.get("DPA_CPU_ONLY"):
+        return "DPA_CPU_ONLY is set"
+    if torch.version.cuda is None:
+        return "torch is a CPU build"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found"
+    return None
+
+
+def sources(with_cuda):
+    files = sorted(CSRC.glob("*.cpp")) + (sorted(CSRC.glob("*.cu")) if with_cuda else [])
+    return [str(p) for p in files]
+
+
+def jit_build():
+    from torch.utils.cpp_extension import load
+
+    with_cuda = cuda_build_reason() is None
+    files = sources(with_cuda)
+    if not files:
         raise ImportError(
-            f"diffusion_policy_accelerated: no prebuilt extension and no sources at {_CSRC}; "
+            f"diffusion_policy_accelerated: no prebuilt extension and no sources at {CSRC}; "
             "install with `pip install --no-build-isolation -e .`")
-    print(f"diffusion_policy_accelerated: no prebuilt extension, JIT-compiling {len(sources)} "
-          f"sources ({'CPU+CUDA' if with_cuda else 'CPU only'}); this takes a few minutes once, "
-          "then is cached", file=sys.stderr, flush=True)
-    flags = ["-O3", "-ffp-contract=off"] + (["-DDPA_WITH_CUDA"] if with_cuda else [])
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    print(f"diffusion_policy_accelerated: no prebuilt extension, JIT-compiling {len(files)} sources "
+          f"({'CPU + CUDA' if with_cuda else 'CPU only: ' + cuda_build_reason()}); this takes a few "
+          "minutes once, then is cached", file=sys.stderr, flush=True)
+    cuda_define = ["-DDPA_WITH_CUDA"] if with_cuda else []
     return load(
-        name="diffusion_policy_accelerated_C",
-        sources=sources,
-        extra_cflags=flags,
-        extra_cuda_cflags=["-O3", "-DDPA_WITH_CUDA", "-fmad=true", "-lineinfo"],
+        name="diffusion_policy_accelerated_C" + ("" if with_cuda else "_cpu"),
+        sources=files,
+        extra_cflags=CXX_FLAGS + cuda_define,
+        extra_cuda_cflags=NVCC_FLAGS + cuda_define,
         with_cuda=with_cuda,
         verbose=bool(os.environ.get("DPA_JIT_VERBOSE")),
     )
 
 
-def _load():
+def load_extension():
     if os.environ.get("DPA_FORCE_JIT"):
-        return _jit_build()
+        return jit_build()
     try:
         from . import _C
         return _C
     except ImportError:
-        return _jit_build()
-
-
-C = _load()
+        return jit_build()

@@ -8,7 +8,9 @@ from typing import Optional
 
 import torch
 
-from ._extension import C as _C
+from ._extension import load_extension
+
+_C = load_extension()
 
 SCHEDULER_KINDS = {"ddpm": 0, "ddim": 1}
 PREDICTION_TYPES = {"epsilon": 0, "sample": 1, "v_prediction": 2}
