@@ -128,7 +128,6 @@ def main():
                       f"{torch_us:9.1f} {ours_us:8.1f} {row['speedup']:7.2f}x {gbs:9.0f} "
                       f"{100 * gbs / bandwidth:8.0f}%"
                       + "".join(f" {v:9.1f}" for v in paths.values()), flush=True)
-                del ws
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
