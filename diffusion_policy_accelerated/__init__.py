@@ -12,6 +12,7 @@ _EXPORTS = {
     "ConditionalUnet1D": "model",
     "DenoiseSchedule": "schedulers",
     "accelerate": "integration",
+    "load_checkpoint": "checkpoint",
     "conv1d_gn_mish": "ops",
     "denoise_step": "ops",
     "built_with_cuda": "ops",
