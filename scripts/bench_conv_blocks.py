@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
 
 UNETS = {"lowdim [256,512,1024]": [256, 512, 1024], "image [512,1024,2048]": [512, 1024, 2048]}
 
@@ -56,21 +57,6 @@ def graph_time_ms(fn, copies, replays=30):
         end.synchronize()
         times.append(start.elapsed_time(end) / copies)
     return statistics.median(times)
-
-
-def copy_bandwidth_gbs(nbytes=2 << 30):
-    """Device-to-device copy rate, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
 def main():

@@ -16,17 +16,14 @@ warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
 from diffusion_policy_accelerated.sampler import GraphedSampler
-
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_conv_blocks import copy_bandwidth_gbs  # noqa: E402
 
 UNETS = {  # Diffusion Policy's Push-T configs: lowdim (20-dim obs) and image (ResNet features)
     "lowdim": dict(input_dim=2, global_cond_dim=40, down_dims=[256, 512, 1024], kernel_size=5,
