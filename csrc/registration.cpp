@@ -1,15 +1,26 @@
 // The op schemas (one TORCH_LIBRARY for the `dpa` namespace) and the Python module that
 // loads them. Implementations register per device in the op files (CPU in .cpp, CUDA in .cu);
 // fake implementations for torch.compile live in diffusion_policy_accelerated/ops.py.
+//
+// `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device, which
+// the CUDA kernels use to find the last block of each output tile and leave all zero again.
+// Passing one (ConditionalUnet1D keeps one per module) saves a memset per call; without it the
+// op allocates zeroed counters itself. A counters tensor must not serve two ops running at the
+// same time (on two streams).
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "conv1d_gn_mish.h"
+#include "conv1d.h"
 
 TORCH_LIBRARY(dpa, m) {
   m.def(
       "conv1d_gn_mish(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
-      "Tensor? gn_bias, int num_groups, float eps) -> Tensor",
+      "Tensor? gn_bias, int num_groups, float eps, *, Tensor? film=None, "
+      "Tensor? residual=None, Tensor? counters=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "conv1d(Tensor x, Tensor weight, Tensor? bias, int stride, int padding, bool transposed, "
+      "*, Tensor? residual=None, Tensor? counters=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "denoise_step(Tensor model_output, Tensor sample, Tensor? noise, Tensor table, int step, "
@@ -30,6 +41,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gemm_path_min_positions", [](int64_t n) {
     TORCH_CHECK_VALUE(n >= 1, "set_gemm_path_min_positions: n must be >= 1, got ", n);
     return dpa::gemm_path_min_positions.exchange(n);
-  }, "Sets batch * length from which conv1d_gn_mish's CUDA path uses the GEMM route; returns the old value.");
+  }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
+  m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
+        "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
 #endif
 }

@@ -5,9 +5,11 @@ The module tree, constructor arguments, forward semantics and `state_dict` keys 
 trained with Diffusion Policy load here with `load_state_dict(strict=True)` and give the
 same actions. Nothing here depends on einops or on the Diffusion Policy repository.
 
-The only behavioural difference is in `Conv1dBlock`: at inference time (no autograd
-needed) it runs one `dpa::conv1d_gn_mish` op instead of three PyTorch ops. Everything
-else runs as ordinary PyTorch, so training, autograd and exotic devices keep working.
+At inference time (nothing needs autograd) every convolution runs a fused op: each
+`Conv1dBlock` one `dpa::conv1d_gn_mish` (which also applies its residual block's FiLM or
+residual add), the down/upsampling, 1x1 residual and final convs `dpa::conv1d`. Training,
+autograd, float64 and devices without kernels take the plain PyTorch path, which computes
+the same function (`use_fused_ops = False` selects it for comparison).
 """
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -56,6 +58,59 @@ def _fused_device_ok(device: torch.device) -> bool:
     return False
 
 
+def _fusable(enabled: bool, x: torch.Tensor, *tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a fused op may replace PyTorch's on x with these weights and extra inputs:
+    a dtype the kernels have, shared by all, nothing that needs autograd, a device with
+    kernels, no autocast."""
+    if not enabled or x.dtype not in _FUSED_DTYPES:
+        return False
+    tensors = [t for t in tensors if t is not None]
+    if any(t.dtype != x.dtype for t in tensors):
+        # Mixed dtypes only arise under autocast or a half-converted model; PyTorch
+        # defines what those mean, the kernels would only reject them.
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [x] + tensors):
+        # The fused ops have no backward: keep training (and input-gradient guidance)
+        # on the differentiable path.
+        return False
+    # The device first: autocast cannot even be queried for some (meta, say).
+    return _fused_device_ok(x.device) and not torch.is_autocast_enabled(x.device.type)
+
+
+def _conv_fusable(conv: nn.Module) -> bool:
+    """Whether dpa::conv1d computes exactly this Conv1d / ConvTranspose1d (it has no
+    dilation, groups, output padding or non-zero padding modes)."""
+    if not isinstance(conv, (nn.Conv1d, nn.ConvTranspose1d)) or not isinstance(conv.padding, tuple):
+        return False
+    if conv.dilation != (1,) or conv.groups != 1 or conv.padding_mode != "zeros":
+        return False
+    return not isinstance(conv, nn.ConvTranspose1d) or conv.output_padding == (0,)
+
+
+def _counters_for(owner: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The owner's zeroed counters buffer for the CUDA kernels (see ops.conv1d)."""
+    counters = owner.op_counters
+    return counters if x.is_cuda and counters.device == x.device else None
+
+
+def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
+              residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """conv(x) (+ residual), through dpa::conv1d when `owner` (which holds the use_fused_ops
+    switch and the counters) allows it."""
+    if _conv_fusable(conv) and _fusable(owner.use_fused_ops, x, conv.weight, conv.bias, residual):
+        return _ops().conv1d(x, conv.weight, conv.bias, conv.stride[0], conv.padding[0],
+                             transposed=isinstance(conv, nn.ConvTranspose1d), residual=residual,
+                             counters=_counters_for(owner, x))
+    out = conv(x)
+    return out if residual is None else out + residual
+
+
+def _register_counters(module: nn.Module, channels: int) -> None:
+    # Not persistent: checkpoints keep Diffusion Policy's keys exactly.
+    module.register_buffer("op_counters", torch.zeros(channels, dtype=torch.int32), persistent=False)
+    module.use_fused_ops = True
+
+
 class SinusoidalPosEmb(nn.Module):
     """Transformer-style timestep embedding, as Diffusion Policy computes it.
 
@@ -81,18 +136,20 @@ class Downsample1d(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.conv = nn.Conv1d(dim, dim, 3, 2, 1)
+        _register_counters(self, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)
+        return _run_conv(self, self.conv, x)
 
 
 class Upsample1d(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.conv = nn.ConvTranspose1d(dim, dim, 4, 2, 1)
+        _register_counters(self, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(x)
+        return _run_conv(self, self.conv, x)
 
 
 class _AppendDim(nn.Module):
@@ -106,11 +163,21 @@ class _AppendDim(nn.Module):
         return x.unsqueeze(-1)
 
 
+def _apply_film(out: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
+    """Diffusion Policy's FiLM: film [B, 2C] is a per-channel scale then bias (its
+    cond_predict_scale layout), film [B, C] a bias."""
+    channels = out.shape[1]
+    if film.shape[1] == 2 * channels:
+        return film[:, :channels, None] * out + film[:, channels:, None]
+    return out + film[:, :, None]
+
+
 class Conv1dBlock(nn.Module):
     """Conv1d -> GroupNorm -> Mish, fused into one op when nothing needs autograd.
 
     The parameters stay in `self.block` (an `nn.Sequential`) so checkpoint keys are
-    `block.0.*` / `block.1.*` exactly as in Diffusion Policy.
+    `block.0.*` / `block.1.*` exactly as in Diffusion Policy. `forward` optionally applies
+    what the enclosing residual block does next (FiLM, a residual add), fused into the op.
     """
 
     def __init__(self, inp_channels: int, out_channels: int, kernel_size: int, n_groups: int = 8):
@@ -120,37 +187,33 @@ class Conv1dBlock(nn.Module):
             nn.GroupNorm(n_groups, out_channels),
             nn.Mish(),
         )
-        self.use_fused_ops = True
+        _register_counters(self, out_channels)
 
-    def _can_fuse(self, x: torch.Tensor) -> bool:
-        if not self.use_fused_ops or x.dtype not in _FUSED_DTYPES:
-            return False
+    def _can_fuse(self, x: torch.Tensor, film: Optional[torch.Tensor],
+                  residual: Optional[torch.Tensor]) -> bool:
         conv, norm = self.block[0], self.block[1]
-        if conv.weight.dtype != x.dtype or (
-                norm.weight is not None and norm.weight.dtype != x.dtype):
-            # Mixed dtypes only arise under autocast or a half-converted model; PyTorch
-            # defines what those mean, the kernel would only reject them.
-            return False
-        if torch.is_grad_enabled() and (
-                x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            # The fused op has no backward: keep training (and input-gradient guidance)
-            # on the differentiable path.
-            return False
         # The kernel implements exactly the convolution this class builds; refuse anything
         # a user may have swapped in after construction (even kernels, strides, ...).
-        if (conv.kernel_size[0] % 2 != 1 or conv.stride != (1,) or conv.dilation != (1,)
-                or conv.groups != 1 or conv.padding != (conv.kernel_size[0] // 2,)
-                or conv.padding_mode != "zeros" or not isinstance(self.block[2], nn.Mish)):
+        if (not _conv_fusable(conv) or conv.kernel_size[0] % 2 != 1 or conv.stride != (1,)
+                or conv.padding != (conv.kernel_size[0] // 2,)
+                or not isinstance(self.block[2], nn.Mish)):
             return False
-        # The device first: autocast cannot even be queried for some (meta, say).
-        return _fused_device_ok(x.device) and not torch.is_autocast_enabled(x.device.type)
+        return _fusable(self.use_fused_ops, x, conv.weight, conv.bias, norm.weight, norm.bias,
+                        film, residual)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._can_fuse(x):
+    def forward(self, x: torch.Tensor, film: Optional[torch.Tensor] = None,
+                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [B, C_in, T] -> Mish(GroupNorm(Conv1d(x))), then FiLM with `film` ([B, 2 C_out]:
+        scale, bias; or [B, C_out]: bias) and `+ residual` ([B, C_out, T]) when given."""
+        if self._can_fuse(x, film, residual):
             conv, norm = self.block[0], self.block[1]
             return _ops().conv1d_gn_mish(x, conv.weight, conv.bias, norm.weight, norm.bias,
-                                         norm.num_groups, norm.eps)
-        return self.block(x)
+                                         norm.num_groups, norm.eps, film=film, residual=residual,
+                                         counters=_counters_for(self, x))
+        out = self.block(x)
+        if film is not None:
+            out = _apply_film(out, film)
+        return out if residual is None else out + residual
 
 
 class ConditionalResidualBlock1D(nn.Module):
@@ -175,24 +238,23 @@ class ConditionalResidualBlock1D(nn.Module):
         )
         self.residual_conv = (nn.Conv1d(in_channels, out_channels, 1)
                               if in_channels != out_channels else nn.Identity())
+        _register_counters(self, out_channels)
 
     def forward(self, x: torch.Tensor, cond: Optional[torch.Tensor],
                 film: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [B, in_channels, T], cond: [B, cond_dim] -> [B, out_channels, T]. `film`, if
-        given, is `cond_encoder(cond)` computed elsewhere ([B, cond_channels, 1]); the
-        sampler precomputes it, since it depends only on the timestep and the observation."""
-        out = self.blocks[0](x)
+        given, is `cond_encoder(cond)` computed elsewhere ([B, cond_channels, 1] or
+        [B, cond_channels]); the sampler precomputes it, since it depends only on the
+        timestep and the observation."""
         embed = self.cond_encoder(cond) if film is None else film
-        if self.cond_predict_scale:
-            # Scale first, then bias: the channel layout of Diffusion Policy's checkpoints.
-            embed = embed.reshape(embed.shape[0], 2, self.out_channels, 1)
-            scale = embed[:, 0, ...]
-            bias = embed[:, 1, ...]
-            out = scale * out + bias
+        # [B, 2C]: scale first, then bias (the channel layout of Diffusion Policy's
+        # checkpoints); [B, C]: a bias. The first block applies it to its output.
+        out = self.blocks[0](x, film=embed.reshape(embed.shape[0], -1))
+        if isinstance(self.residual_conv, nn.Identity):
+            residual = x
         else:
-            out = out + embed
-        out = self.blocks[1](out)
-        return out + self.residual_conv(x)
+            residual = _run_conv(self, self.residual_conv, x)
+        return self.blocks[1](out, residual=residual)
 
 
 class ConditionalUnet1D(nn.Module):
@@ -278,7 +340,7 @@ class ConditionalUnet1D(nn.Module):
         self.down_modules = down_modules
         self.final_conv = final_conv
 
-        self.use_fused_ops = True
+        _register_counters(self, input_dim)
 
     @property
     def use_fused_ops(self) -> bool:
@@ -289,11 +351,11 @@ class ConditionalUnet1D(nn.Module):
         self.set_fused_ops(enabled)
 
     def set_fused_ops(self, enabled: bool = True) -> "ConditionalUnet1D":
-        """Select the fused op (True) or plain PyTorch (False) in every Conv1dBlock."""
+        """Select the fused ops (True) or plain PyTorch (False) for every convolution."""
         enabled = bool(enabled)
         object.__setattr__(self, "_use_fused_ops", enabled)
         for module in self.modules():
-            if isinstance(module, Conv1dBlock):
+            if module is not self and hasattr(module, "op_counters"):
                 module.use_fused_ops = enabled
         return self
 
@@ -390,7 +452,7 @@ class ConditionalUnet1D(nn.Module):
             x = block(resnet2, x)
             x = upsample(x)
 
-        x = self.final_conv(x)
+        x = _run_conv(self, self.final_conv[1], self.final_conv[0](x))
         return x.transpose(1, 2)
 
 

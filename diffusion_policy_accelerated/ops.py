@@ -25,22 +25,54 @@ def built_with_cuda() -> bool:
 
 
 def set_gemm_path_min_positions(positions: int) -> int:
-    """Batch * length from which CUDA conv1d_gn_mish uses im2col + cuBLAS instead of its
-    weight-streaming kernel (set from scripts/bench_conv_blocks.py --sweep-paths); returns
-    the previous value. Process-wide; meant for benchmarking and tuning."""
+    """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
+    (or cuDNN) instead of their weight-streaming kernels; returns the previous value.
+    Process-wide; meant for benchmarking and tuning (scripts/bench_conv_blocks.py
+    --sweep-paths)."""
     return _C.set_gemm_path_min_positions(int(positions))
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Programmatic dependent launch of the streaming conv kernels (Hopper and newer): each
+    starts loading its weights while the previous kernel finishes. On by default; returns the
+    previous setting. Process-wide; meant for measuring what it buys."""
+    return bool(_C.set_pdl(bool(enabled)))
 
 
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
-                   num_groups: int, eps: float = 1e-5) -> torch.Tensor:
-    """Mish(GroupNorm(Conv1d(x))) in one op: what Diffusion Policy's `Conv1dBlock` computes.
+                   num_groups: int, eps: float = 1e-5, *, film: Optional[torch.Tensor] = None,
+                   residual: Optional[torch.Tensor] = None,
+                   counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mish(GroupNorm(Conv1d(x))) in one op: what Diffusion Policy's `Conv1dBlock` computes,
+    then optionally what its `ConditionalResidualBlock1D` does to that output.
 
-    x: [B, C_in, L]; weight: [C_out, C_in, K] with K odd (padding K // 2, stride 1);
-    bias, gn_weight, gn_bias: [C_out] or None. Accumulation and statistics are fp32
-    whatever the (shared) dtype of the tensors, which may be fp32, fp16 or bf16.
+    x: [B, C_in, L] (any strides); weight: [C_out, C_in, K] with K odd (padding K // 2,
+    stride 1); bias, gn_weight, gn_bias: [C_out] or None. `film`: [B, C_out] (y + film) or
+    [B, 2 * C_out] (y * film[:, :C_out] + film[:, C_out:]: a FiLM scale, then a bias);
+    `residual`: [B, C_out, L], added last. Accumulation and statistics are fp32 and each
+    output is rounded once, whatever the (shared) dtype: fp32, fp16 or bf16. `counters`:
+    see `conv1d`.
     """
-    return torch.ops.dpa.conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, int(num_groups), float(eps))
+    return torch.ops.dpa.conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, int(num_groups),
+                                        float(eps), film=film, residual=residual, counters=counters)
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           stride: int = 1, padding: int = 0, *, transposed: bool = False,
+           residual: Optional[torch.Tensor] = None,
+           counters: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.conv1d(x, weight, bias, stride, padding)` or, with `transposed`,
+    `F.conv_transpose1d(...)` (weight [C_in, C_out, K]), plus `residual` if given: the
+    U-Net's down/upsampling, 1x1 residual and final convs. Dilation 1, groups 1, no output
+    padding. fp32 accumulation whatever the dtype.
+
+    `counters` (CUDA; optional): an int32 tensor of at least C_out zeros on x's device that
+    the kernels use to elect the block finishing each output tile, and leave all zero again;
+    passing one saves a memset per call. It must not serve two calls running concurrently.
+    """
+    return torch.ops.dpa.conv1d(x, weight, bias, int(stride), int(padding), bool(transposed),
+                                residual=residual, counters=counters)
 
 
 def _enum(value, table, what):
@@ -71,10 +103,23 @@ def denoise_step(model_output: torch.Tensor, sample: torch.Tensor, noise: Option
 
 
 @torch.library.register_fake("dpa::conv1d_gn_mish")
-def _conv1d_gn_mish_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps):
+def _conv1d_gn_mish_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, *, film=None,
+                         residual=None, counters=None):
     torch._check(x.dim() == 3, lambda: "conv1d_gn_mish: x must be [B, C_in, L]")
     torch._check(weight.dim() == 3, lambda: "conv1d_gn_mish: weight must be [C_out, C_in, K]")
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
+
+
+@torch.library.register_fake("dpa::conv1d")
+def _conv1d_fake(x, weight, bias, stride, padding, transposed, *, residual=None, counters=None):
+    torch._check(x.dim() == 3, lambda: "conv1d: x must be [B, C_in, L]")
+    torch._check(weight.dim() == 3, lambda: "conv1d: weight must be 3-D")
+    k = weight.shape[2]
+    if transposed:
+        out_channels, length = weight.shape[1], (x.shape[2] - 1) * stride - 2 * padding + k
+    else:
+        out_channels, length = weight.shape[0], (x.shape[2] + 2 * padding - k) // stride + 1
+    return x.new_empty((x.shape[0], out_channels, length))
 
 
 @torch.library.register_fake("dpa::denoise_step")

@@ -1,6 +1,6 @@
 """Where the time of an action goes, and how far each op is from its roofline.
 
-`scripts/profile.py` drives this for Diffusion Policy's loop; the pieces take any model:
+`scripts/profile_action.py` drives this for Diffusion Policy's loop; the pieces take any model:
 
 - `OP_COSTS`: FLOP and byte formulas per op (the only place they are written), applied to
   the input shapes a `torch.profiler` trace records;
@@ -124,16 +124,42 @@ def cat_cost(shapes: Sequence[Shape], dtype: torch.dtype) -> Cost:
     return 0, 2 * _nbytes(dtype, *shapes)
 
 
+def _epilogue_cost(out: Shape, dtype: torch.dtype, film: Optional[Shape],
+                   residual: bool) -> Cost:
+    """A fused FiLM (film [B, 2C]: scale * y + bias, 2 per element; [B, C]: + bias, 1) and
+    residual add (1 per element): their FLOPs and the bytes of their extra inputs."""
+    elements = math.prod(out)
+    flops = (0 if film is None else (2 if film[1] == 2 * out[1] else 1) * elements) \
+        + (elements if residual else 0)
+    return flops, _nbytes(dtype, film, out if residual else None)
+
+
 def conv1d_gn_mish_cost(x: Shape, weight: Shape, dtype: torch.dtype, *, bias: bool = True,
-                        affine: bool = True) -> Cost:
+                        affine: bool = True, film: Optional[Shape] = None,
+                        residual: bool = False) -> Cost:
     """dpa::conv1d_gn_mish: the conv (stride 1, padding K // 2), GroupNorm and Mish FLOPs of
-    its output; fused, so the only traffic is x, the parameters and the output."""
+    its output, and its FiLM / residual epilogue; fused, so the only traffic is x, the
+    parameters, the epilogue's inputs and the output."""
     conv_flops, _ = conv1d_cost(x, weight, dtype, bias=bias, padding=weight[2] // 2)
     out = (x[0], weight[0], x[2])
     channels = (weight[0],)
-    flops = conv_flops + group_norm_cost(out, dtype)[0] + mish_cost(out, dtype)[0]
-    return flops, _nbytes(dtype, x, weight, channels if bias else None,
-                          channels if affine else None, channels if affine else None, out)
+    extra_flops, extra_bytes = _epilogue_cost(out, dtype, film, residual)
+    flops = conv_flops + group_norm_cost(out, dtype)[0] + mish_cost(out, dtype)[0] + extra_flops
+    return flops, extra_bytes + _nbytes(dtype, x, weight, channels if bias else None,
+                                        channels if affine else None, channels if affine else None, out)
+
+
+def fused_conv1d_cost(x: Shape, weight: Shape, dtype: torch.dtype, *, bias: bool = True,
+                      stride: int = 1, padding: int = 0, transposed: bool = False,
+                      residual: bool = False) -> Cost:
+    """dpa::conv1d: a Conv1d or ConvTranspose1d plus an optional residual, in one pass."""
+    cost = conv_transpose1d_cost if transposed else conv1d_cost
+    flops, nbytes = cost(x, weight, dtype, bias=bias, stride=stride, padding=padding)
+    out_channels = weight[1] if transposed else weight[0]
+    length = ((x[2] - 1) * stride - 2 * padding + weight[2] if transposed
+              else (x[2] + 2 * padding - weight[2]) // stride + 1)
+    extra_flops, extra_bytes = _epilogue_cost((x[0], out_channels, length), dtype, None, residual)
+    return flops + extra_flops, nbytes + extra_bytes
 
 
 def denoise_step_cost(sample: Shape, dtype: torch.dtype, *, scheduler: str, prediction_type: str,
@@ -239,8 +265,13 @@ OP_COSTS: Dict[str, Callable[[OpInputs], Cost]] = {
     "aten::mul": _elementwise,
     "aten::div": _elementwise,
     "aten::cat": lambda c: cat_cost(c.tensor_list(0), c.dtype),
+    # Keyword-only arguments are recorded in schema order after the positional ones.
     "dpa::conv1d_gn_mish": lambda c: conv1d_gn_mish_cost(
-        c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), affine=c.given(3)),
+        c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), affine=c.given(3),
+        film=c.tensor(7), residual=c.tensor(8) is not None),
+    "dpa::conv1d": lambda c: fused_conv1d_cost(
+        c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), stride=c.scalar(3),
+        padding=c.scalar(4), transposed=c.scalar(5), residual=c.tensor(6) is not None),
     "dpa::denoise_step": _denoise_step,
 }
 

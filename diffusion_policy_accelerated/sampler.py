@@ -8,7 +8,8 @@ launch for the whole action chunk.
 
 Step-invariant work is hoisted out of the loop: the timestep MLP and the timestep half of
 every FiLM encoder are tabulated per schedule (they depend only on t), and the observation
-half of the FiLM encoders is computed once per call.
+half of every FiLM encoder is one GEMM per call; each step adds the two halves for all the
+residual blocks at once and hands each block a slice.
 
 Noise: the initial trajectory is drawn exactly as Diffusion Policy draws it,
 `torch.randn(condition_data.shape, generator=generator, ...)`, so with the same RNG state a
@@ -56,7 +57,16 @@ class GraphedSampler:
         self.use_cuda_graph = use_cuda_graph
         self.num_steps = len(schedule.timesteps)
         with torch.inference_mode():
-            self._film_per_step, self._film_weight = unet.film_embedding_tables(schedule.timesteps)
+            per_step, per_observation = unet.film_embedding_tables(schedule.timesteps)
+            # Every block's FiLM encoder side by side: [steps, sum of widths] per-step rows and
+            # one [sum of widths, global_cond_dim] weight, so a call and a step each cost one
+            # launch for all blocks; block m reads columns self._film_columns[m].
+            self._film_table = torch.cat(list(per_step.values()), dim=1)
+            self._film_weight = torch.cat(list(per_observation.values()), dim=0)
+        self._film_columns = {}
+        for block, table in per_step.items():
+            start = sum(hi - lo for lo, hi in self._film_columns.values())
+            self._film_columns[block] = (start, start + table.shape[1])
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
 
@@ -93,16 +103,15 @@ class GraphedSampler:
 
     def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise):
         """The hoisted denoising loop; run eagerly, or once under capture."""
-        film_observation = {}
+        film_observation = None
         if global_cond is not None:
-            features = torch.nn.functional.mish(global_cond)
-            film_observation = {m: features @ w.t() for m, w in self._film_weight.items()}
+            film_observation = torch.nn.functional.mish(global_cond) @ self._film_weight.t()
         trajectory = noise[0]
         for i in range(self.num_steps):
             trajectory = torch.where(condition_mask, condition_data, trajectory)
-            films = {m: (table[i] + film_observation[m] if film_observation else
-                         table[i].expand(trajectory.shape[0], -1)).unsqueeze(-1)
-                     for m, table in self._film_per_step.items()}
+            step_film = (self._film_table[i] + film_observation if film_observation is not None
+                         else self._film_table[i].expand(trajectory.shape[0], -1))
+            films = {m: step_film[:, lo:hi] for m, (lo, hi) in self._film_columns.items()}
             model_output = self.unet(trajectory, None, local_cond=local_cond, film_embeddings=films)
             step_noise = noise[i + 1] if self.schedule.needs_noise(i) else None
             trajectory = self.schedule.step(model_output, i, trajectory, step_noise)
@@ -120,7 +129,7 @@ class GraphedSampler:
         if condition_data.shape[2] != input_dim:
             raise ValueError(f"condition_data's last dim must be the U-Net's input_dim {input_dim}, "
                              f"got {condition_data.shape[2]}")
-        expects_global = self._film_weight and next(iter(self._film_weight.values())).shape[1] > 0
+        expects_global = self._film_weight.shape[1] > 0
         if (global_cond is not None) != bool(expects_global):
             raise ValueError("global_cond must be given exactly when the U-Net was built with "
                              "global_cond_dim")

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Everything the GPU has to confirm, in one device call: build, the whole test suite on the
-# GPU, compute-sanitizer memcheck on a small workload, then the benchmark tables.
-# Logs go to $OUT (the device tool brings that folder back). Missing Python packages (the
-# device has no network) can be carried as wheels in .whl/ (see README "GPU check").
+# GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the profiler.
+# DPA_STAGES picks stages (default: all, in this order):
+#   tests sanitize blocks demo bench profile ncu
+# Logs, JSON, plots and traces go to $WORK, packed at the end into $OUT/results.tgz (the
+# device tool brings $OUT back, a few files at most). Missing Python packages (the device has
+# no network) can be carried as wheels in .whl/ (see README "GPU check").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dpa_gpu_check}
-mkdir -p "$OUT"
+WORK=${DPA_WORK:-/tmp/dpa_gpu_work}
+STAGES=${DPA_STAGES:-tests sanitize blocks demo bench profile ncu}
+mkdir -p "$OUT" "$WORK"
 status=0
+pack() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
+trap pack EXIT
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -21,28 +29,58 @@ echo "== build"
 # segfault when an error message formats a number. The system compiler links it dynamically.
 export CC=${DPA_CC:-gcc} CXX=${DPA_CXX:-g++}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; exit 1
+start=$SECONDS
+if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$WORK/build.log" 2>&1; then
+  tail -40 "$WORK/build.log"; exit 1
 fi
-grep -E "building|warning" "$OUT/build.log" | grep -v "cannot be found" | head -20
+grep -E "building|warning" "$WORK/build.log" | grep -v "cannot be found" | head -20
+echo "built in $((SECONDS - start)) s"
 
-echo "== tests"
-python3 -m pytest -q -p no:cacheprovider tests >"$OUT/tests.log" 2>&1 || status=1
-grep -E "FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -25
+if want tests; then
+  echo "== tests"
+  python3 -m pytest -q -p no:cacheprovider tests >"$WORK/tests.log" 2>&1 || status=1
+  grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -25
+fi
 
-echo "== compute-sanitizer memcheck"
-compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
-  python3 scripts/sanitize_case.py >"$OUT/sanitizer.log" 2>&1 || status=1
-tail -4 "$OUT/sanitizer.log"
+if want sanitize; then
+  echo "== compute-sanitizer memcheck"
+  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+    python3 scripts/sanitize_case.py >"$WORK/sanitizer.log" 2>&1 || status=1
+  tail -4 "$WORK/sanitizer.log"
+fi
 
-echo "== benchmark: Conv1dBlock shapes (DPA_SWEEP=1 also times both CUDA routes)"
-python3 scripts/bench_conv_blocks.py --batch 1 8 64 ${DPA_SWEEP:+--sweep-paths} \
-  --json "$OUT/conv_blocks.json" >"$OUT/conv_blocks.txt" 2>&1 || status=1
-grep -E "^(NVIDIA|U-Net|batch 1)" "$OUT/conv_blocks.txt"
+if want blocks; then
+  echo "== benchmark: Conv1dBlock shapes (DPA_SWEEP=1 also times both CUDA routes)"
+  python3 scripts/bench_conv_blocks.py --batch ${DPA_BLOCK_BATCHES:-1 8 64} ${DPA_SWEEP:+--sweep-paths} \
+    --json "$WORK/conv_blocks.json" >"$WORK/conv_blocks.txt" 2>&1 || status=1
+  grep -E "^(NVIDIA|U-Net|batch)|  1 " "$WORK/conv_blocks.txt"
+  echo "-- the same at batch 1 without programmatic dependent launch"
+  python3 scripts/bench_conv_blocks.py --batch 1 --no-pdl >"$WORK/conv_blocks_no_pdl.txt" 2>&1 || status=1
+  grep -E "^(NVIDIA|batch)|  1 " "$WORK/conv_blocks_no_pdl.txt" | cut -c1-80
+fi
 
-echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
-python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -1 || status=1
+if want demo; then
+  echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
+  python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -1 || status=1
+fi
 
-echo "== benchmark: ms per action chunk, side by side"
-python3 scripts/benchmark.py --out "$OUT" ${DPA_BENCH_ARGS:-} 2>&1 | tee "$OUT/benchmark.txt" || status=1
+if want bench; then
+  echo "== benchmark: ms per action chunk, side by side"
+  python3 scripts/benchmark.py --out "$WORK" ${DPA_BENCH_ARGS:-} 2>&1 | tee "$WORK/benchmark.txt" || status=1
+fi
+
+if want profile; then
+  echo "== profile: lowdim U-Net, batch 1, DDPM 20 steps (eager, graph, ours, ours unGraphed)"
+  # 20 steps keep the eager trace small; --no-graph gives ours' per-op roofline rows.
+  for mode in eager graph ours "ours --no-graph"; do
+    name=${mode// /}
+    python3 scripts/profile_action.py --mode $mode --steps 20 --out "$WORK/profile" ${DPA_PROFILE_ARGS:-} \
+      >"$WORK/profile_$name.txt" 2>&1 || status=1
+    sed -n '1,22p' "$WORK/profile_$name.txt" | cut -c1-150
+  done
+fi
+if want ncu; then
+  echo "== Nsight Compute: fused Conv1dBlock kernel, a small and a large layer"
+  bash scripts/ncu_conv.sh "256 256 16" "1024 1024 4" 2>&1 | tee "$WORK/ncu.txt" || status=1
+fi
 exit $status

@@ -1,6 +1,7 @@
 """A small workload for `compute-sanitizer --tool memcheck`: a small U-Net forward through the
-fused ops (fp32 and bf16) plus the kernels' edge paths (run-time kernel size, groups split
-across blocks, one-position sequences, tiny channel counts) and denoise steps."""
+fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups split across
+blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
+transposed convs, FiLM and residual epilogues, caller-owned counters) and denoise steps."""
 import torch
 
 from diffusion_policy_accelerated import ops
@@ -22,7 +23,22 @@ def main():
                                                  (2, 3, 6, 40, 31, 3), (1, 2, 2, 1, 1, 1)]:
         x = torch.randn(batch, cin, length, device="cuda")
         w = torch.randn(cout, cin, k, device="cuda")
+        film = torch.randn(batch, 2 * cout, device="cuda")
+        residual = torch.randn(batch, cout, length, device="cuda")
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups)).all()
+        assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, film=film,
+                                                 residual=residual)).all()
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    for batch, cin, cout, length, k, stride, padding, transposed in [
+            (1, 512, 512, 16, 3, 2, 1, False), (3, 7, 5, 9, 4, 3, 2, False), (1, 6, 9, 10, 7, 2, 0, False),
+            (1, 512, 512, 4, 4, 2, 1, True), (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True),
+            (2, 2048, 512, 4, 1, 1, 0, False), (1, 256, 2, 16, 1, 1, 0, False)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
+            w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=dtype)
+            out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, counters=counters)
+            assert torch.isfinite(out).all()
+    assert int(counters.abs().sum()) == 0
     from diffusers import DDPMScheduler
     sched = DenoiseSchedule.from_diffusers(
         DDPMScheduler(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2"), 4).to("cuda")

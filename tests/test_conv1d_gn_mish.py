@@ -1,4 +1,6 @@
 """conv1d_gn_mish against a float64 PyTorch reference, on CPU and (where present) CUDA."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,11 +41,17 @@ ODD_SHAPES = [
 BATCH64_SHAPES = [(64, 256, 256, 16, 5, 8), (64, 1024, 512, 8, 5, 8), (64, 2048, 1024, 4, 5, 8)]
 
 
-def reference(x, w, b, gamma, beta, groups):
-    """float64 Conv1d -> GroupNorm -> Mish on the CPU, from the (already rounded) inputs."""
+def reference(x, w, b, gamma, beta, groups, film=None, residual=None):
+    """float64 Conv1d -> GroupNorm -> Mish (-> FiLM -> + residual) on the CPU, from the
+    (already rounded) inputs."""
     d = lambda t: None if t is None else t.detach().double().cpu()
-    y = F.conv1d(d(x), d(w), d(b), padding=w.shape[2] // 2)
-    return F.mish(F.group_norm(y, groups, d(gamma), d(beta), eps=1e-5))
+    y = F.mish(F.group_norm(F.conv1d(d(x), d(w), d(b), padding=w.shape[2] // 2), groups,
+                            d(gamma), d(beta), eps=1e-5))
+    if film is not None:
+        channels = w.shape[0]
+        f = d(film)[:, :, None]
+        y = f[:, :channels] * y + f[:, channels:] if film.shape[1] == 2 * channels else y + f
+    return y if residual is None else y + d(residual)
 
 
 def make_inputs(shape, dtype, device, generator):
@@ -104,6 +112,53 @@ def test_no_bias_no_affine_and_non_contiguous_inputs(device):
                                **TOLERANCES[torch.float32])
 
 
+def film_and_residual(shape, dtype, device, generator, film_layout):
+    batch, _, cout, length, _, _ = shape
+    rand = lambda *s: torch.randn(*s, generator=generator).to(device, dtype)
+    if film_layout == "scale+bias":
+        film = rand(batch, 2 * cout)
+    elif film_layout == "bias":
+        film = rand(batch, cout)
+    elif film_layout == "slice of a wider row":  # how the sampler hands each block its FiLM
+        film = rand(batch, 5 * cout)[:, cout:3 * cout]
+    else:  # "one row for the batch": the same FiLM broadcast, row stride 0
+        film = rand(1, 2 * cout).expand(batch, -1)
+    return film, rand(batch, cout, length)
+
+
+FILM_LAYOUTS = ["scale+bias", "bias", "slice of a wider row", "one row for the batch"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("film_layout", FILM_LAYOUTS)
+@pytest.mark.parametrize("shape", [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8),
+                                   (3, 64, 48, 7, 3, 4), (8, 512, 512, 8, 5, 8)], ids=str)
+def test_film_and_residual_epilogue(shape, film_layout, dtype, device):
+    """What ConditionalResidualBlock1D does to its Conv1dBlocks' outputs, fused."""
+    g = torch.Generator().manual_seed(6)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
+    film, residual = film_and_residual(shape, dtype, device, g, film_layout)
+    batch, _, cout, length, _, groups = shape
+    for kwargs in (dict(film=film), dict(residual=residual), dict(film=film, residual=residual)):
+        poison_allocator(device, batch * cout * length, dtype)
+        out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, **kwargs)
+        torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, **kwargs),
+                                   **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counters_are_left_zero_and_reusable(device):
+    g = torch.Generator().manual_seed(7)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    for shape in [(1, 256, 512, 8, 5, 8), (2, 1024, 1024, 4, 5, 8), (1, 2, 256, 16, 5, 8)]:
+        x, w, b, gamma, beta = make_inputs(shape, torch.float32, device, g)
+        out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], counters=counters)
+        assert int(counters.abs().sum()) == 0
+        torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, shape[5]),
+                                   **TOLERANCES[torch.float32])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     g = torch.Generator().manual_seed(2)
@@ -111,6 +166,9 @@ def test_opcheck(device):
         x, w, b, gamma, beta = make_inputs(shape, torch.float32, device, g)
         torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish.default, (x, w, b, gamma, beta, shape[5], 1e-5))
     torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish.default, (x, w, None, None, None, 2, 1e-5))
+    film, residual = film_and_residual(shape, torch.float32, device, g, "scale+bias")
+    torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish.default, (x, w, b, gamma, beta, 2, 1e-5),
+                          dict(film=film, residual=residual))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -149,6 +207,15 @@ BAD_INPUTS = [
     (dict(eps=float("nan")), ValueError, "eps must be finite"),
     (dict(x=torch.randn(0, 4, 6)), ValueError, "x must be non-empty"),
     (dict(x=torch.randn(2, 4, 0)), ValueError, "x must be non-empty"),
+    (dict(film=torch.randn(2, 7)), ValueError, "film must be [2, 8] (a bias) or [2, 16]"),
+    (dict(film=torch.randn(3, 16)), ValueError, "film must be [2, 8]"),
+    (dict(film=torch.randn(2, 16, 1)), ValueError, "film must be [2, 8]"),
+    (dict(film=torch.randn(2, 16, dtype=torch.float16)), TypeError, "film has dtype"),
+    (dict(residual=torch.randn(2, 8, 5)), ValueError, "residual must have the output's shape [2, 8, 6]"),
+    (dict(residual=torch.randn(2, 8, 6, dtype=torch.bfloat16)), TypeError, "residual has dtype"),
+    (dict(counters=torch.zeros(8)), TypeError, "counters must be int32"),
+    (dict(counters=torch.zeros(7, dtype=torch.int32)), ValueError, "counters must be a contiguous 1-D"),
+    (dict(counters=torch.zeros(8, 2, dtype=torch.int32)), ValueError, "counters must be a contiguous 1-D"),
 ]
 
 
@@ -157,14 +224,17 @@ BAD_INPUTS = [
 def test_bad_input_raises(change, error, text, device):
     args = good_args(device)
     args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
-    with pytest.raises(error, match=text.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(error, match=re.escape(text)):
         ops.conv1d_gn_mish(**args)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["x", "weight", "bias", "gn_weight", "gn_bias"])
+@pytest.mark.parametrize("name", ["x", "weight", "bias", "gn_weight", "gn_bias", "film", "residual",
+                                  "counters"])
 def test_mixed_devices_raise(name):
     args = good_args("cuda")
+    args.update(film=torch.randn(2, 16, device="cuda"), residual=torch.randn(2, 8, 6, device="cuda"),
+                counters=torch.zeros(8, dtype=torch.int32, device="cuda"))
     args[name] = args[name].cpu()
     with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
         ops.conv1d_gn_mish(**args)
@@ -177,8 +247,15 @@ def test_both_cuda_routes(route, threshold, dtype):
     """The op picks its CUDA route by batch * length; each route must be right on every shape."""
     default = ops.set_gemm_path_min_positions(threshold)
     try:
+        g = torch.Generator().manual_seed(8)
         for shape in [(1, 2, 256, 16, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
                       (5, 33, 40, 17, 7, 5), (2, 9, 24, 1, 5, 24)]:
             check(shape, dtype, "cuda")
+            x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+            film, residual = film_and_residual(shape, dtype, "cuda", g, "slice of a wider row")
+            out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
+            torch.testing.assert_close(
+                out.cpu().double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
+                **TOLERANCES[dtype])
     finally:
         ops.set_gemm_path_min_positions(default)

@@ -200,18 +200,35 @@ def test_up_path_local_cond_is_unused_like_diffusion_policy():
 # --------------------------------------------------------------------------------------
 
 class FakeOps:
-    """Computes the fused op with PyTorch and counts calls."""
+    """Computes the fused ops with PyTorch and counts calls (conv1d_gn_mish in `calls`)."""
 
     def __init__(self):
         self.calls = 0
+        self.conv_calls = 0
 
     def built_with_cuda(self):
         return False
 
-    def conv1d_gn_mish(self, x, weight, bias, gn_weight, gn_bias, num_groups, eps):
+    def conv1d_gn_mish(self, x, weight, bias, gn_weight, gn_bias, num_groups, eps, *, film=None,
+                       residual=None, counters=None):
         self.calls += 1
         y = F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2)
-        return F.mish(F.group_norm(y, num_groups, gn_weight, gn_bias, eps))
+        y = F.mish(F.group_norm(y, num_groups, gn_weight, gn_bias, eps))
+        if film is not None:
+            c = weight.shape[0]
+            y = film[:, :c, None] * y + film[:, c:, None] if film.shape[1] == 2 * c else y + film[:, :, None]
+        return y if residual is None else y + residual
+
+    def conv1d(self, x, weight, bias, stride, padding, *, transposed, residual=None, counters=None):
+        self.conv_calls += 1
+        y = (F.conv_transpose1d if transposed else F.conv1d)(x, weight, bias, stride, padding)
+        return y if residual is None else y + residual
+
+
+def n_plain_convs(model):
+    """Down/upsampling, 1x1 residual and final convs: what dpa::conv1d runs."""
+    return sum(isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) for m in model.modules()) \
+        - n_conv_blocks(model)
 
 
 @pytest.fixture
@@ -234,17 +251,17 @@ def test_fused_dispatch(fake_ops):
     n = n_conv_blocks(ours)
     with torch.no_grad():
         fused = ours(sample, timestep, **kw)
-    assert fake_ops.calls == n
+    assert fake_ops.calls == n and fake_ops.conv_calls == n_plain_convs(ours)
     with torch.inference_mode():
         ours(sample, timestep, **kw)
-    assert fake_ops.calls == 2 * n
+    assert fake_ops.calls == 2 * n and fake_ops.conv_calls == 2 * n_plain_convs(ours)
 
     ours.use_fused_ops = False
     assert not ours.use_fused_ops
     assert all(not m.use_fused_ops for m in ours.modules() if isinstance(m, Conv1dBlock))
     with torch.no_grad():
         plain = ours(sample, timestep, **kw)
-    assert fake_ops.calls == 2 * n
+    assert fake_ops.calls == 2 * n and fake_ops.conv_calls == 2 * n_plain_convs(ours)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
 
     assert ours.set_fused_ops(True) is ours and ours.use_fused_ops
@@ -259,7 +276,7 @@ def test_training_takes_plain_path_and_backward_works(fake_ops):
     ours.train()
     assert ours.use_fused_ops
     out = ours(sample, timestep, **kw)
-    assert fake_ops.calls == 0
+    assert fake_ops.calls == 0 and fake_ops.conv_calls == 0
     out.square().mean().backward()
     for name, p in ours.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
@@ -269,10 +286,10 @@ def test_training_takes_plain_path_and_backward_works(fake_ops):
     ours.requires_grad_(False)
     x = sample.clone().requires_grad_(True)
     ours(x, timestep, **kw).sum().backward()
-    assert fake_ops.calls == 0 and x.grad is not None
+    assert fake_ops.calls == 0 and fake_ops.conv_calls == 0 and x.grad is not None
     # Frozen weights and nothing else needing grad: fused even with grad mode on.
     ours(sample, timestep, **kw)
-    assert fake_ops.calls == n_conv_blocks(ours)
+    assert fake_ops.calls == n_conv_blocks(ours) and fake_ops.conv_calls == n_plain_convs(ours)
 
 
 def test_import_does_not_load_extension():

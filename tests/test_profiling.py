@@ -1,6 +1,6 @@
 """The profiling toolkit on a CPU: formulas against hand-computed answers, module ranges on a
 tiny U-Net, the table builders on synthetic traces (CPU ops, and CUDA kernels linked to
-their launches) with known durations, and scripts/profile.py end to end."""
+their launches) with known durations, and scripts/profile_action.py end to end."""
 import csv
 import importlib.util
 import json
@@ -15,7 +15,8 @@ from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
 from diffusion_policy_accelerated.profiling import (
     ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, cat_cost, conv1d_cost, conv1d_gn_mish_cost,
-    conv_transpose1d_cost, denoise_step_cost, elementwise_cost, format_gpu_split, group_norm_cost,
+    conv_transpose1d_cost, denoise_step_cost, elementwise_cost, format_gpu_split, fused_conv1d_cost,
+    group_norm_cost,
     layer_names, layer_of, linear_cost, matmul_cost, mish_cost, parse_trace, record_trace, roofline_op)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -54,6 +55,16 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32), (6656, 1504)),
     # bf16, no bias, no affine: bytes 2 * (64 + 160 + 128) = 704.
     (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), BF16, bias=False, affine=False), (6528, 704)),
+    # With FiLM [1, 16] (scale and bias: 2 per element, 256) and a residual (1 per element,
+    # 128): 6656 + 384 = 7040; bytes + 4 * (16 + 128) = 1504 + 576 = 2080.
+    (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 16), residual=True), (7040, 2080)),
+    # FiLM [1, 8] is a bias only: 6656 + 128; bytes 1504 + 4 * 8 = 1536.
+    (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 8)), (6784, 1536)),
+    # dpa::conv1d = the conv's cost (first case above: 1500, 872) + a residual [2, 6, 5]:
+    # 60 FLOPs and 4 * 60 bytes.
+    (fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True), (1560, 1112)),
+    # transposed, as the conv_transpose1d case above.
+    (fused_conv1d_cost((1, 4, 8), (4, 2, 4), F16, stride=2, padding=1, transposed=True), (544, 196)),
     # DDPM, epsilon, clipped, noise: x0 3 + clip 2 + update 3 + noise 2 = 10 per element, 32
     # elements; bytes 4 * 32 * (3 inputs + 1 output) + the 32-byte table row = 544.
     (denoise_step_cost((1, 16, 2), F32, scheduler="ddpm", prediction_type="epsilon", clip=True,
@@ -107,6 +118,16 @@ def test_formulas_read_the_recorded_arguments(tmp_path):
                 cat_cost([(2, 3, 4), (2, 5, 4)], F32)),
         "fused": (lambda: ops.conv1d_gn_mish(gx, gw, gb, gb, gb, 2), "dpa::conv1d_gn_mish",
                   conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32)),
+        "fused film residual": (
+            lambda: ops.conv1d_gn_mish(gx, gw, gb, gb, gb, 2, film=torch.ones(1, 16),
+                                       residual=torch.ones(1, 8, 16)),
+            "dpa::conv1d_gn_mish",
+            conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 16), residual=True)),
+        "fused conv": (lambda: ops.conv1d(x, w, b, 2, 1, residual=torch.ones(2, 6, 5)), "dpa::conv1d",
+                       fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True)),
+        "fused conv transposed": (lambda: ops.conv1d(x8, wt, None, 2, 1, transposed=True), "dpa::conv1d",
+                                  fused_conv1d_cost((1, 4, 8), (4, 2, 4), F32, bias=False, stride=2,
+                                                    padding=1, transposed=True)),
         "denoise": (lambda: ops.denoise_step(s, s, s, table, 1, scheduler="ddpm", clip_sample_range=1.0),
                     "dpa::denoise_step",
                     denoise_step_cost((1, 16, 2), F32, scheduler="ddpm", prediction_type="epsilon",
@@ -301,10 +322,12 @@ def test_call_graph_png(tmp_path, monkeypatch):
     assert (tmp_path / "f.png").read_text() == f"digraph {{ {tmp_path / 'f.prof'} }}\n"
 
 
-# --- scripts/profile.py end to end ------------------------------------------------------
+# --- scripts/profile_action.py end to end ------------------------------------------------------
 
-def _profile_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "profile.py"
+def _profile_script(monkeypatch):
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))  # as `python scripts/profile_action.py` has it
+    path = scripts / "profile_action.py"
     spec = importlib.util.spec_from_file_location("dpa_profile_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -312,8 +335,8 @@ def _profile_script():
 
 
 @pytest.mark.parametrize("mode", ["eager", "ours"])
-def test_profile_script_on_cpu(tmp_path, capsys, mode):
-    analysis = _profile_script().main(["--mode", mode, "--device", "cpu", "--down-dims", "8", "16",
+def test_profile_script_on_cpu(tmp_path, capsys, monkeypatch, mode):
+    analysis = _profile_script(monkeypatch).main(["--mode", mode, "--device", "cpu", "--down-dims", "8", "16",
                                        "--steps", "2", "--reps", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     for heading in ("one action", "top CPU ops", "per-op roofline", "autograd profiler",
@@ -331,7 +354,7 @@ def test_profile_script_on_cpu(tmp_path, capsys, mode):
     assert list(table[0]) == [key for key, _, _ in ROOFLINE_COLUMNS]
     assert len(table) == len(analysis.roofline) > 10
     ops_seen = {row["op"] for row in table}
-    fused = {"dpa::conv1d_gn_mish", "dpa::denoise_step"}
+    fused = {"dpa::conv1d_gn_mish", "dpa::conv1d", "dpa::denoise_step"}
     assert fused <= ops_seen if mode == "ours" else not fused & ops_seen
     assert all(float(row["roofline_fraction"]) > 0 and math.isfinite(float(row["roofline_fraction"]))
                for row in table)
@@ -340,6 +363,6 @@ def test_profile_script_on_cpu(tmp_path, capsys, mode):
 
 
 @pytest.mark.parametrize("args", [["--mode", "graph"], ["--mode", "eager", "--no-graph"]])
-def test_profile_script_rejects(tmp_path, args):
+def test_profile_script_rejects(tmp_path, monkeypatch, args):
     with pytest.raises(SystemExit):
-        _profile_script().main(args + ["--device", "cpu", "--out", str(tmp_path)])
+        _profile_script(monkeypatch).main(args + ["--device", "cpu", "--out", str(tmp_path)])

@@ -15,29 +15,20 @@ profiler's per-op table; a cProfile of one U-Net forward. Also writes {mode}_tra
 down.0.res0.block0), {mode}_roofline.csv and .png, {mode}_forward.prof, and
 {mode}_forward.png where gprof2dot and Graphviz are installed.
 
-    python scripts/profile.py --mode {eager,graph,ours} [--device cuda|cpu] [--unet lowdim|image]
+    python scripts/profile_action.py --mode {eager,graph,ours} [--device cuda|cpu] [--unet lowdim|image]
                               [--batch N] [--steps N] [--out DIR] [--no-graph]
 """
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import torch
+from benchmark import HORIZON, SCHEDULER_CONFIG, UNETS, graphed_pytorch_loop
 
-# This file's name is the standard library's `profile`, which cProfile imports: with this
-# folder at the front of sys.path cProfile would import this script instead. At the back it
-# still provides benchmark.py.
-_HERE = os.path.dirname(os.path.realpath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE] + [_HERE]
-
-from benchmark import HORIZON, SCHEDULER_CONFIG, UNETS, graphed_pytorch_loop  # noqa: E402
-
-from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
-from diffusion_policy_accelerated.profiling import (  # noqa: E402
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.profiling import (
     BREAKDOWN_COLUMNS, TOP_COLUMNS, Phases, analyse, call_graph_png, cprofile_call, format_gpu_split,
     format_table, measure_peaks, plot_roofline, record_trace, time_breakdown, write_csv)
-from diffusion_policy_accelerated.sampler import GraphedSampler  # noqa: E402
+from diffusion_policy_accelerated.sampler import GraphedSampler
 
 ROWS_SHOWN = 25
 
@@ -103,8 +94,10 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    prefix = args.mode + ("_nograph" if args.no_graph else "")
+
     def output(kind):
-        return out / f"{args.mode}_{kind}"
+        return out / f"{prefix}_{kind}"
 
     torch.manual_seed(0)
     unet = ConditionalUnet1D(**config).to(device).eval()

@@ -1,0 +1,240 @@
+// Argument checks and the CPU implementations of conv1d_gn_mish and conv1d.
+#include "conv1d.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "checks.h"
+
+namespace dpa {
+
+namespace {
+
+constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+
+void check_input_and_weight(const at::Tensor& x, const at::Tensor& weight, const char* op,
+                            const char* weight_layout) {
+  check_float_tensor(x, op, "x");
+  check_dim(x, 3, op, "x", "[batch, in_channels, length]");
+  check_same_device(weight, x, op, "weight", "x");
+  check_same_dtype(weight, x, op, "weight", "x");
+  check_dim(weight, 3, op, "weight", weight_layout);
+  TORCH_CHECK_VALUE(x.size(0) > 0 && x.size(1) > 0 && x.size(2) > 0, op,
+                    ": x must be non-empty, got shape ", x.sizes());
+}
+
+// The optional tensors applied to the output: residual [B, C_out, L_out] and counters.
+void check_output_extras(const ConvProblem& p, const at::Tensor& x,
+                         const std::optional<at::Tensor>& residual,
+                         const std::optional<at::Tensor>& counters, const char* op) {
+  if (residual.has_value()) {
+    check_same_device(*residual, x, op, "residual", "x");
+    check_same_dtype(*residual, x, op, "residual", "x");
+    TORCH_CHECK_VALUE(residual->dim() == 3 && residual->size(0) == p.batch &&
+                          residual->size(1) == p.out_channels &&
+                          residual->size(2) == p.out_length,
+                      op, ": residual must have the output's shape [", p.batch, ", ",
+                      p.out_channels, ", ", p.out_length, "], got ", residual->sizes());
+  }
+  if (counters.has_value()) {
+    check_same_device(*counters, x, op, "counters", "x");
+    TORCH_CHECK_TYPE(counters->scalar_type() == at::kInt, op,
+                     ": counters must be int32, got ", counters->scalar_type());
+    TORCH_CHECK_VALUE(counters->dim() == 1 && counters->size(0) >= p.out_channels &&
+                          counters->is_contiguous(),
+                      op, ": counters must be a contiguous 1-D tensor of at least out_channels (",
+                      p.out_channels, ") elements, got shape ", counters->sizes());
+  }
+  TORCH_CHECK_VALUE(p.batch <= kIntMax && p.in_channels * p.kernel_size <= kIntMax &&
+                        p.out_channels * p.kernel_size <= kIntMax && p.in_length <= kIntMax &&
+                        p.out_length <= kIntMax && p.out_channels * p.out_length <= kIntMax,
+                    op, ": sizes too large (channels x kernel_size, lengths and "
+                    "out_channels x out_length must fit in int32); x ", x.sizes());
+}
+
+}  // namespace
+
+ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      const std::optional<at::Tensor>& gn_weight,
+                                      const std::optional<at::Tensor>& gn_bias,
+                                      int64_t num_groups, double eps,
+                                      const std::optional<at::Tensor>& film,
+                                      const std::optional<at::Tensor>& residual,
+                                      const std::optional<at::Tensor>& counters) {
+  constexpr const char* op = "conv1d_gn_mish";
+  check_input_and_weight(x, weight, op, "[out_channels, in_channels, kernel_size]");
+  ConvProblem p{};
+  p.batch = x.size(0);
+  p.in_channels = x.size(1);
+  p.out_channels = weight.size(0);
+  p.in_length = p.out_length = x.size(2);
+  p.kernel_size = weight.size(2);
+  p.stride = 1;
+  p.padding = p.kernel_size / 2;
+  p.groups = num_groups;
+  TORCH_CHECK_VALUE(p.out_channels > 0, op, ": weight must have out_channels >= 1, got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) == p.in_channels, op, ": weight has in_channels ",
+                    weight.size(1), " but x has ", p.in_channels, " channels");
+  TORCH_CHECK_VALUE(p.kernel_size >= 1 && p.kernel_size % 2 == 1, op,
+                    ": kernel_size (weight.size(2)) must be odd so that padding kernel_size // 2 "
+                    "keeps the length, got ", p.kernel_size);
+  check_channel_vector(bias, p.out_channels, x, op, "bias");
+  check_channel_vector(gn_weight, p.out_channels, x, op, "gn_weight");
+  check_channel_vector(gn_bias, p.out_channels, x, op, "gn_bias");
+  TORCH_CHECK_VALUE(num_groups >= 1 && p.out_channels % num_groups == 0, op,
+                    ": num_groups must be >= 1 and divide out_channels (", p.out_channels,
+                    "), got ", num_groups);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ",
+                    eps);
+  if (film.has_value()) {
+    check_same_device(*film, x, op, "film", "x");
+    check_same_dtype(*film, x, op, "film", "x");
+    p.film_width = film->dim() == 2 ? film->size(1) : -1;
+    TORCH_CHECK_VALUE(film->dim() == 2 && film->size(0) == p.batch &&
+                          (p.film_width == p.out_channels || p.film_width == 2 * p.out_channels),
+                      op, ": film must be [", p.batch, ", ", p.out_channels, "] (a bias) or [",
+                      p.batch, ", ", 2 * p.out_channels, "] (a scale, then a bias), got ",
+                      film->sizes());
+  }
+  check_output_extras(p, x, residual, counters, op);
+  return p;
+}
+
+ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, int64_t stride,
+                              int64_t padding, bool transposed,
+                              const std::optional<at::Tensor>& residual,
+                              const std::optional<at::Tensor>& counters) {
+  constexpr const char* op = "conv1d";
+  check_input_and_weight(x, weight, op,
+                         transposed ? "[in_channels, out_channels, kernel_size] (transposed)"
+                                    : "[out_channels, in_channels, kernel_size]");
+  ConvProblem p{};
+  p.batch = x.size(0);
+  p.in_channels = x.size(1);
+  p.out_channels = weight.size(transposed ? 1 : 0);
+  p.in_length = x.size(2);
+  p.kernel_size = weight.size(2);
+  p.stride = stride;
+  p.padding = padding;
+  p.transposed = transposed;
+  const int64_t weight_in = weight.size(transposed ? 0 : 1);
+  TORCH_CHECK_VALUE(p.out_channels > 0 && p.kernel_size > 0, op,
+                    ": weight must have out_channels >= 1 and kernel_size >= 1, got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight_in == p.in_channels, op, ": weight has in_channels ", weight_in,
+                    " but x has ", p.in_channels, " channels");
+  TORCH_CHECK_VALUE(stride >= 1, op, ": stride must be >= 1, got ", stride);
+  TORCH_CHECK_VALUE(padding >= 0, op, ": padding must be >= 0, got ", padding);
+  p.out_length = transposed ? (p.in_length - 1) * stride - 2 * padding + p.kernel_size
+                            : (p.in_length + 2 * padding - p.kernel_size) / stride + 1;
+  TORCH_CHECK_VALUE((transposed || p.in_length + 2 * padding >= p.kernel_size) &&
+                        p.out_length >= 1,
+                    op, ": input length ", p.in_length, " with kernel_size ", p.kernel_size,
+                    ", stride ", stride, " and padding ", padding, " gives no output");
+  check_channel_vector(bias, p.out_channels, x, op, "bias");
+  check_output_extras(p, x, residual, counters, op);
+  return p;
+}
+
+namespace {
+
+inline float mish(float v) { return v * std::tanh(std::log1p(std::exp(v))); }
+
+std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->to(at::kFloat).contiguous();
+}
+
+// The convolutions go through ATen's fp32 CPU conv (oneDNN / BLAS GEMM), which is already near
+// a CPU's peak; upcasting first gives the fp32 accumulation the CUDA kernels promise for every
+// dtype. What follows the conv is fused in one pass per (batch, group) below.
+at::Tensor conv1d_gn_mish_cpu(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& gn_weight,
+                              const std::optional<at::Tensor>& gn_bias, int64_t num_groups,
+                              double eps, const std::optional<at::Tensor>& film,
+                              const std::optional<at::Tensor>& residual,
+                              const std::optional<at::Tensor>& counters) {
+  const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias,
+                                                  num_groups, eps, film, residual, counters);
+  const at::Tensor pre =
+      at::conv1d(x.to(at::kFloat), weight.to(at::kFloat), to_float(bias), 1, p.padding)
+          .contiguous();
+  const at::Tensor gamma = gn_weight.has_value() ? gn_weight->to(at::kFloat).contiguous()
+                                                 : at::ones({p.out_channels}, pre.options());
+  const at::Tensor beta = gn_bias.has_value() ? gn_bias->to(at::kFloat).contiguous()
+                                              : at::zeros({p.out_channels}, pre.options());
+  const auto film_f = to_float(film), residual_f = to_float(residual);
+  at::Tensor out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+
+  const int64_t cpg = p.out_channels / p.groups, length = p.out_length;
+  const int64_t group_numel = cpg * length;
+  const float* pre_data = pre.data_ptr<float>();
+  const float* gamma_data = gamma.data_ptr<float>();
+  const float* beta_data = beta.data_ptr<float>();
+  const float* film_data = film_f.has_value() ? film_f->data_ptr<float>() : nullptr;
+  const float* residual_data = residual_f.has_value() ? residual_f->data_ptr<float>() : nullptr;
+  const bool film_scale = p.film_width == 2 * p.out_channels;
+  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, p.batch * p.groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bg = begin; bg < end; ++bg) {
+        const int64_t b = bg / p.groups, g = bg % p.groups;
+        const int64_t offset = (b * p.out_channels + g * cpg) * length;
+        const float* y = pre_data + offset;
+        double sum = 0;
+        for (int64_t i = 0; i < group_numel; ++i) sum += y[i];
+        const double mean = sum / group_numel;
+        double sq = 0;
+        for (int64_t i = 0; i < group_numel; ++i) sq += (y[i] - mean) * (y[i] - mean);
+        const float rstd = static_cast<float>(1.0 / std::sqrt(sq / group_numel + eps));
+        const float mean_f = static_cast<float>(mean);
+        for (int64_t c = 0; c < cpg; ++c) {
+          const int64_t channel = g * cpg + c;
+          const float scale = rstd * gamma_data[channel];
+          const float* film_row = film_data ? film_data + b * p.film_width : nullptr;
+          for (int64_t l = 0; l < length; ++l) {
+            const int64_t i = c * length + l;
+            float v = mish((y[i] - mean_f) * scale + beta_data[channel]);
+            if (film_row) {
+              v = film_scale ? v * film_row[channel] + film_row[p.out_channels + channel]
+                             : v + film_row[channel];
+            }
+            if (residual_data) v += residual_data[offset + i];
+            out_data[offset + i] = static_cast<scalar_t>(v);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, int64_t stride, int64_t padding,
+                      bool transposed, const std::optional<at::Tensor>& residual,
+                      const std::optional<at::Tensor>& counters) {
+  const ConvProblem p =
+      check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
+  const at::Tensor xf = x.to(at::kFloat), wf = weight.to(at::kFloat);
+  at::Tensor out = transposed ? at::conv_transpose1d(xf, wf, to_float(bias), stride, padding)
+                              : at::conv1d(xf, wf, to_float(bias), stride, padding);
+  TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
+  if (residual.has_value()) out.add_(residual->to(at::kFloat));
+  return out.to(x.scalar_type()).contiguous();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpa, CPU, m) {
+  m.impl("conv1d_gn_mish", &conv1d_gn_mish_cpu);
+  m.impl("conv1d", &conv1d_cpu);
+}
+
+}  // namespace dpa

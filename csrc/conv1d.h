@@ -1,0 +1,64 @@
+// The convolution op family of Diffusion Policy's U-Net, shared by the CPU (.cpp) and CUDA
+// (.cu) implementations:
+//   conv1d_gn_mish: Conv1d (odd kernel, "same" padding, stride 1) -> GroupNorm -> Mish, then
+//                   optionally FiLM (scale * y + bias) and a residual add: a Conv1dBlock with
+//                   whatever its ConditionalResidualBlock1D does to its output.
+//   conv1d:         a plain Conv1d or ConvTranspose1d (any kernel size, stride, padding) plus
+//                   bias, optionally plus a residual: the U-Net's down/upsampling, its 1x1
+//                   residual convs and its final 1x1 conv.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <optional>
+
+namespace dpa {
+
+struct ConvProblem {
+  int64_t batch;
+  int64_t in_channels;
+  int64_t out_channels;
+  int64_t in_length;
+  int64_t out_length;
+  int64_t kernel_size;
+  int64_t stride;
+  int64_t padding;
+  bool transposed;
+  int64_t groups;      // GroupNorm groups; 0 for conv1d
+  int64_t film_width;  // 0 (no FiLM), out_channels (bias) or 2 * out_channels (scale, bias)
+};
+
+// Each validates every argument, raising a Python exception that names it, and returns the
+// sizes. `counters` (CUDA only) must be an int32 tensor of >= out_channels elements on x's
+// device; see the op docs in registration.cpp.
+ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      const std::optional<at::Tensor>& gn_weight,
+                                      const std::optional<at::Tensor>& gn_bias,
+                                      int64_t num_groups, double eps,
+                                      const std::optional<at::Tensor>& film,
+                                      const std::optional<at::Tensor>& residual,
+                                      const std::optional<at::Tensor>& counters);
+
+ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
+                              const std::optional<at::Tensor>& bias, int64_t stride,
+                              int64_t padding, bool transposed,
+                              const std::optional<at::Tensor>& residual,
+                              const std::optional<at::Tensor>& counters);
+
+#ifdef DPA_WITH_CUDA
+// The CUDA implementation streams the weights through a split-K kernel while
+// batch * length (the conv's GEMM N) is below this, and uses im2col + cuBLAS (cuDNN for
+// conv1d) from there on; adjustable (ops.set_gemm_path_min_positions) so the benchmark can
+// time both routes. 32: on an H100 at 32 positions the GEMM route is 1.3-3.2x faster on the
+// U-Nets' large layers (batch 8, length 4), the streaming kernel up to 1.4x on small ones
+// (batch 2, length 16); below 32 streaming wins everywhere (BENCHMARKS.md).
+constexpr int64_t kDefaultGemmPathMinPositions = 32;
+extern std::atomic<int64_t> gemm_path_min_positions;
+// Programmatic dependent launch (Hopper+): each streaming kernel starts loading its weights
+// while the kernel before it finishes. Switchable for measurement (ops.set_pdl).
+extern std::atomic<bool> use_pdl;
+#endif
+
+}  // namespace dpa

@@ -1,0 +1,918 @@
+// CUDA implementations of conv1d_gn_mish and conv1d.
+//
+// At the batch sizes a robot runs and Diffusion Policy's lengths (4..16), a convolution is a
+// GEMM with M = output channels, K = in_channels * kernel_size and a tiny N = batch * length:
+// every weight is read once and used for only N multiply-adds, so the time is the time to
+// stream the weights from HBM. Everything below is organised around streaming them at full
+// bandwidth with as few serial steps per launch as possible:
+//
+//   * split-K over the whole GPU: a block owns a tile of weight-matrix rows and a slice of
+//     the reduction, and every lane loads 16 bytes of weights per request, kDepth requests
+//     ahead, straight from the weights' own layout (no repacking, so checkpoints' tensors are
+//     used as they are);
+//   * the block's slice of the input is staged in shared memory once, in the order the lanes
+//     read it, so one 16-byte shared load feeds 4 multiply-adds per weight row;
+//   * weight loads are issued before the kernel waits for the previous kernel
+//     (griddepcontrol.wait, with programmatic dependent launch), so under a CUDA graph the
+//     next layer's weights are already in flight while this layer finishes;
+//   * the split-K partial sums meet in a small fp32 workspace; a per-tile arrival counter
+//     elects the last block of each output tile, which adds the partials in a fixed order
+//     (deterministic), and applies the epilogue: bias, GroupNorm statistics over the whole
+//     group (two-pass), Mish, FiLM, residual. No second launch, no host sync. The counters
+//     are left at zero, so a caller can keep one buffer for every launch.
+//
+// Two layouts: Conv1d weights [C_out, C_in, K] are rows of the GEMM (stream_conv_kernel);
+// ConvTranspose1d weights [C_in, C_out, K] are columns (stream_conv_transposed_kernel, which
+// computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue). Beyond
+// ~32 positions each weight feeds enough outputs that im2col + cuBLAS (or cuDNN) wins; the
+// GroupNorm epilogue is then one more launch (group_norm_epilogue_kernel).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <limits>
+
+#include "checks.h"
+#include "conv1d.h"
+
+namespace dpa {
+
+std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
+std::atomic<bool> use_pdl{true};
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBlocksPerSm = 2;
+// Dynamic shared memory per block, at most: what kBlocksPerSm blocks can each have beside
+// their static arrays (2 KB covers them) on the device, up to 96 KB (a wide position tile of
+// a long reduction slice; B = 1 layers use a few KB).
+int max_shared_bytes() {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const int per_block = static_cast<int>(props->sharedMemPerMultiprocessor) / kBlocksPerSm - 2048;
+  return std::min({96 * 1024, per_block, static_cast<int>(props->sharedMemPerBlockOptin) - 2048});
+}
+// Weight requests each lane keeps in flight per weight row.
+constexpr int kDepth = 3;
+constexpr int kDepthTransposed = 4;
+// The most tiles one block can complete (its rows span at most this many output tiles).
+constexpr int kMaxFinishUnits = 4 * kWarps + 2;
+// Batch rows whose GroupNorm statistics a finishing block holds at once.
+constexpr int kStats = 64;
+
+struct StreamArgs {
+  const void* x;  // [B, C_in, L_in], any strides (elements)
+  int64_t x_sb, x_sc, x_sl;
+  const void* weight;
+  const void* bias;
+  const void* gn_weight;
+  const void* gn_bias;
+  const void* film;      // [B, film_width], rows film_sb elements apart (0: one row for all)
+  int64_t film_sb;
+  const void* residual;  // [B, C_out, L_out], contiguous
+  void* out;             // [B, C_out, L_out]
+  float* ws;             // [splits, m, nt] partial sums
+  int* counters;         // one per output tile, zero on entry and on exit
+  int batch, cin, cout, lin, lout, ksize, stride, pad;
+  int positions;  // GEMM N: batch * L_out (conv) or batch * L_in (transposed)
+  int nt;         // positions rounded up to the kernel's tile (workspace row stride)
+  int m;          // GEMM rows streamed: C_out (conv) or C_out * K (transposed)
+  int red;        // reduction length: C_in * K (conv) or C_in (transposed)
+  int split_len;  // reduction elements per block
+  int splits;
+  int n_tiles;    // position tiles (blockIdx.z): more than one only past 32 positions
+  bool prefetch;  // prefetch the block's weights into L2 while waiting for the producer
+  int unit_rows;  // GEMM rows per output tile (a GroupNorm group, or a block's rows)
+  int groups;     // GroupNorm groups, 0 for a plain conv
+  int film_width;
+  float eps;
+};
+
+// ---------------------------------------------------------------------------------------
+// Device helpers.
+
+__device__ __forceinline__ void wait_for_producer() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// A streamed weight load: read-only path, not kept in L1 (each weight is used by one block).
+// volatile keeps the prologue's loads ahead of griddepcontrol.wait.
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
+  constexpr int kBytes = sizeof(T) * N;
+  Pack<T, N> out;
+  if constexpr (kBytes == 16) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    memcpy(&out, &r, 16);
+  } else if constexpr (kBytes == 8) {
+    uint2 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+                 : "=r"(r.x), "=r"(r.y)
+                 : "l"(p));
+    memcpy(&out, &r, 8);
+  } else if constexpr (kBytes == 4) {
+    unsigned r;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    memcpy(&out, &r, 4);
+  } else {
+    static_assert(kBytes == 2, "weight loads are 2, 4, 8 or 16 bytes");
+    unsigned short r;
+    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    memcpy(&out, &r, 2);
+  }
+  return out;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_float(const void* base, int64_t i) {
+  return static_cast<float>(static_cast<const T*>(base)[i]);
+}
+
+__device__ __forceinline__ float mish(float v) {
+  // The formula PyTorch's own Mish kernel uses.
+  return v * tanhf(log1pf(expf(v)));
+}
+
+// Transposing warp reduction: V partial sums per lane in, sums over the warp out. At each
+// halving stage a lane keeps one half of its window and sends the other half to its partner,
+// so after log2(V) stages (at most 5) each lane holds V/32 distinct totals; stages beyond
+// that are plain butterflies. `base` tracks which slice of the V outputs the lane owns.
+template <int N, int OFF, int V>
+__device__ __forceinline__ void transpose_reduce(float (&v)[V], int lane, int& base) {
+  if constexpr (OFF >= 1) {
+    if constexpr (N > 1) {
+      constexpr int H = N / 2;
+      const bool upper = lane & OFF;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = upper ? v[i] : v[i + H];
+        const float keep = upper ? v[i + H] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+      }
+      if (upper) base += H;
+      transpose_reduce<H, OFF / 2>(v, lane, base);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], OFF);
+      transpose_reduce<1, OFF / 2>(v, lane, base);
+    }
+  }
+}
+
+__device__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  return total;
+}
+
+// Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
+// in split order (deterministic), kBatch loads in flight at a time.
+__device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
+  constexpr int kBatch = 8;
+  const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
+  for (int split0 = 0; split0 < a.splits; split0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      v[j] = split0 + j < a.splits ? __ldcg(a.ws + (split0 + j) * split_stride + offset) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) s += v[j];
+  }
+  return s;
+}
+
+// What an output element gets after the conv (and GroupNorm + Mish): its channel's GroupNorm
+// affine, FiLM scale and shift, and the residual. Loaded as one batch so that the loads'
+// round trip overlaps other work (the finishing block's statistics).
+struct Epilogue {
+  float gamma, beta, scale, shift, residual;
+};
+
+template <typename T>
+__device__ __forceinline__ Epilogue load_epilogue(const StreamArgs& a, int b, int c, int l) {
+  Epilogue e{1.f, 0.f, 1.f, 0.f, 0.f};
+  if (a.gn_weight) e.gamma = load_float<T>(a.gn_weight, c);
+  if (a.gn_bias) e.beta = load_float<T>(a.gn_bias, c);
+  if (a.film) {
+    const int64_t row = b * a.film_sb;
+    if (a.film_width == a.cout) {
+      e.shift = load_float<T>(a.film, row + c);
+    } else {
+      e.scale = load_float<T>(a.film, row + c);
+      e.shift = load_float<T>(a.film, row + a.cout + c);
+    }
+  }
+  if (a.residual) e.residual = load_float<T>(a.residual, (static_cast<int64_t>(b) * a.cout + c) * a.lout + l);
+  return e;
+}
+
+__device__ __forceinline__ float apply_epilogue(const Epilogue& e, float v) {
+  return v * e.scale + e.shift + e.residual;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_output(const StreamArgs& a, int b, int c, int l, float v) {
+  static_cast<T*>(a.out)[(static_cast<int64_t>(b) * a.cout + c) * a.lout + l] = static_cast<T>(v);
+}
+
+// Complete pre-activations of an output tile, pre(c, n) with n = b * L_out + l: in the
+// finishing block's shared memory, in the workspace (written by other blocks: read through
+// L2), or in a cuBLAS result.
+struct SharedPre {
+  const float* p;
+  int c_lo, stride;
+  __device__ float operator()(int c, int n) const { return p[(c - c_lo) * stride + n]; }
+};
+struct WorkspacePre {
+  const float* p;
+  int64_t stride;
+  __device__ float operator()(int c, int n) const { return __ldcg(p + c * stride + n); }
+};
+template <typename T>
+struct GemmPre {
+  const T* p;
+  int64_t stride;
+  __device__ float operator()(int c, int n) const { return static_cast<float>(p[c * stride + n]); }
+};
+
+// GroupNorm -> Mish -> epilogue over one group's channels [c_lo, c_hi) of batch rows
+// [b_lo, b_hi). The statistics are two-pass (no cancellation), per batch row.
+template <typename T, typename Pre>
+__device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, int c_hi, int b_lo,
+                                int b_hi, float* scratch, float2* stats) {
+  const int L = a.lout;
+  const int per_batch = (c_hi - c_lo) * L;
+  const int count = (b_hi - b_lo) * per_batch;
+  const auto element = [&](int i, int& b, int& c, int& l) {
+    b = b_lo + i / per_batch;
+    const int r = i % per_batch;
+    c = c_lo + r / L;
+    l = r % L;
+  };
+  const auto compute_stats = [&](int b0, int b1) {
+    for (int b = b0; b < b1; ++b) {
+      float s = 0.f;
+      for (int i = threadIdx.x; i < per_batch; i += kThreads) s += pre(c_lo + i / L, b * L + i % L);
+      const float mean = block_sum(s, scratch) / per_batch;
+      float sq = 0.f;
+      for (int i = threadIdx.x; i < per_batch; i += kThreads) {
+        const float d = pre(c_lo + i / L, b * L + i % L) - mean;
+        sq += d * d;
+      }
+      const float rstd = rsqrtf(block_sum(sq, scratch) / per_batch + a.eps);
+      if (threadIdx.x == 0) stats[b - b0] = make_float2(mean, rstd);
+    }
+    __syncthreads();
+  };
+  const auto finish = [&](int i, int b0, const Epilogue& e) {
+    int b, c, l;
+    element(i, b, c, l);
+    const float2 st = stats[b - b0];
+    const float v = mish((pre(c, b * L + l) - st.x) * st.y * e.gamma + e.beta);
+    store_output<T>(a, b, c, l, apply_epilogue(e, v));
+  };
+  if (b_hi - b_lo <= kStats) {
+    // The common case: the epilogue's inputs of a thread's first elements are requested
+    // before the statistics, so their round trip overlaps the reductions.
+    constexpr int kHeld = 4;
+    Epilogue held[kHeld];
+#pragma unroll
+    for (int j = 0; j < kHeld; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (i < count) {
+        int b, c, l;
+        element(i, b, c, l);
+        held[j] = load_epilogue<T>(a, b, c, l);
+      }
+    }
+    compute_stats(b_lo, b_hi);
+#pragma unroll
+    for (int j = 0; j < kHeld; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      if (i < count) finish(i, b_lo, held[j]);
+    }
+    for (int i = threadIdx.x + kHeld * kThreads; i < count; i += kThreads) {
+      int b, c, l;
+      element(i, b, c, l);
+      finish(i, b_lo, load_epilogue<T>(a, b, c, l));
+    }
+    return;
+  }
+  for (int b0 = b_lo; b0 < b_hi; b0 += kStats) {
+    const int b1 = min(b0 + kStats, b_hi);
+    compute_stats(b0, b1);
+    for (int i = (b0 - b_lo) * per_batch + threadIdx.x; i < (b1 - b_lo) * per_batch; i += kThreads) {
+      int b, c, l;
+      element(i, b, c, l);
+      finish(i, b0, load_epilogue<T>(a, b, c, l));
+    }
+    __syncthreads();  // stats is rewritten by the next pass
+  }
+}
+
+// Output tile `unit` of a conv: channels [unit * unit_rows, ...). Adds up the splits' partial
+// sums and the bias into shared memory when the tile fits (else into split 0's workspace
+// slot), then GroupNorm etc. or the plain epilogue.
+template <typename T>
+__device__ void finish_conv_tile(const StreamArgs& a, int unit, float* shared, int shared_floats,
+                                 float* scratch, float2* stats) {
+  const int c_lo = unit * a.unit_rows, c_hi = min(c_lo + a.unit_rows, a.m);
+  const int P = a.positions;
+  const int count = (c_hi - c_lo) * P;
+  const bool in_shared = count <= shared_floats;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / P, n = i % P;
+    const float s = add_splits(a, static_cast<int64_t>(c) * a.nt + n,
+                               a.bias ? load_float<T>(a.bias, c) : 0.f);
+    if (in_shared) {
+      shared[i] = s;
+    } else {
+      a.ws[static_cast<int64_t>(c) * a.nt + n] = s;
+    }
+  }
+  __syncthreads();
+  if (a.groups > 0) {
+    if (in_shared) {
+      normalize_group<T>(a, SharedPre{shared, c_lo, P}, c_lo, c_hi, 0, a.batch, scratch, stats);
+    } else {
+      normalize_group<T>(a, WorkspacePre{a.ws, a.nt}, c_lo, c_hi, 0, a.batch, scratch, stats);
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / P, n = i % P, b = n / a.lout, l = n % a.lout;
+    const float v = in_shared ? shared[i] : __ldcg(a.ws + static_cast<int64_t>(c) * a.nt + n);
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), v));
+  }
+}
+
+// Output tile `unit` of a transposed conv: channels [c_lo, c_hi), whose GEMM rows are
+// c * K + k. Each output position gathers the taps that land on it.
+template <typename T>
+__device__ void finish_transposed_tile(const StreamArgs& a, int unit) {
+  const int K = a.ksize;
+  const int c_lo = unit * (a.unit_rows / K), c_hi = min(c_lo + a.unit_rows / K, a.cout);
+  const int count = (c_hi - c_lo) * a.batch * a.lout;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / (a.batch * a.lout);
+    const int r = i % (a.batch * a.lout), b = r / a.lout, l = r % a.lout;
+    float v = a.bias ? load_float<T>(a.bias, c) : 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int t = l + a.pad - k;  // = j * stride for the input position j feeding tap k
+      if (t < 0 || t % a.stride != 0 || t / a.stride >= a.lin) continue;
+      v = add_splits(a, static_cast<int64_t>(c * K + k) * a.nt + b * a.lin + t / a.stride, v);
+    }
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), v));
+  }
+}
+
+// After a block's partial sums are in the workspace: counts rows [r_lo, r_hi) on the
+// counters of the output tiles they belong to, and finishes each tile it completed (its
+// shared memory, now free, can hold the tile's pre-activations).
+template <typename T, bool kTransposed>
+__device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float* shared,
+                                  int shared_floats) {
+  __shared__ int finish_units[kMaxFinishUnits];
+  __shared__ int num_finish_units;
+  __shared__ float scratch[kWarps];
+  __shared__ float2 stats[kStats];
+  // Publish this block's partial sums before counting them (release side).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int u = r_lo / a.unit_rows; u * a.unit_rows < r_hi; ++u) {
+      const int u_lo = u * a.unit_rows, u_hi = min(u_lo + a.unit_rows, a.m);
+      const int contribution = min(r_hi, u_hi) - max(r_lo, u_lo);
+      const int target = (u_hi - u_lo) * a.splits * a.n_tiles;
+      if (atomicAdd(a.counters + u, contribution) + contribution == target) finish_units[n++] = u;
+    }
+    num_finish_units = n;
+  }
+  __syncthreads();
+  const int n = num_finish_units;
+  for (int i = 0; i < n; ++i) {
+    __threadfence();  // acquire side: every other block's partial sums are visible
+    if constexpr (kTransposed) {
+      finish_transposed_tile<T>(a, finish_units[i]);
+    } else {
+      finish_conv_tile<T>(a, finish_units[i], shared, shared_floats, scratch, stats);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) a.counters[finish_units[i]] = 0;  // ready for the next launch
+  }
+}
+
+// Shared-memory position of reduction element `el` of a block's slice, chosen so that each
+// lane's EPL consecutive elements sit at lane * 4 (+ 128 for elements 4..7): every lane's
+// 16-byte shared loads are then consecutive across the warp (no bank conflicts).
+template <int EPL>
+__device__ __forceinline__ int staged_position(int el) {
+  constexpr int kChunk = 32 * EPL;
+  const int chunk = el / kChunk, rem = el % kChunk;
+  const int lane = rem / EPL, v = rem % EPL;
+  return chunk * kChunk + (v / 4) * 128 + lane * (EPL < 4 ? EPL : 4) + v % 4;
+}
+
+// ---------------------------------------------------------------------------------------
+// Conv1d layout: block = (row tile of kWarps * R output channels, reduction slice). Warp w
+// streams rows w*R .. w*R+R-1 of the tile; each lane reads EPL consecutive weights of each
+// row per request. NT: positions (batch x length), padded; EPL: weights per lane per load.
+template <typename T, int NT, int R, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) stream_conv_kernel(const StreamArgs a) {
+  extern __shared__ float4 shared_f4[];
+  float* staged = reinterpret_cast<float*>(shared_f4);  // [NT][split_len], see staged_position
+  constexpr int kChunk = 32 * EPL;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile_lo = blockIdx.x * kWarps * R;
+  const int row0 = tile_lo + warp * R;
+  const int n0 = blockIdx.z * NT;
+  const int e_begin = blockIdx.y * a.split_len;
+  const int e_end = min(e_begin + a.split_len, a.red);
+  const int chunks = (e_end - e_begin + kChunk - 1) / kChunk;
+  const T* weight = static_cast<const T*>(a.weight);
+
+  // Rows past the end are never loaded; their sums stay garbage and are never written.
+  Pack<T, EPL> w[kDepth][R];
+  const auto load_chunk = [&](int d, int chunk) {
+    const int e = e_begin + chunk * kChunk + lane * EPL;
+    if (chunk < chunks && e < e_end) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (row0 + r < a.m)
+          w[d][r] = load_stream<T, EPL>(weight + static_cast<int64_t>(row0 + r) * a.red + e);
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < kDepth; ++d) load_chunk(d, d);
+  if (a.prefetch) {
+    // The rest of this block's weights: on their way to L2 while the previous kernel ends.
+    const int64_t first = e_begin + kDepth * kChunk;
+    const int64_t bytes = (e_end - first) * static_cast<int64_t>(sizeof(T));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (row0 + r >= a.m) continue;
+      const char* row = reinterpret_cast<const char*>(weight + static_cast<int64_t>(row0 + r) * a.red + first);
+      for (int64_t offset = lane * 128; offset < bytes; offset += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + offset));
+    }
+  }
+  allow_dependents();
+  wait_for_producer();  // the input comes from the previous kernel
+
+  // Stage the block's im2col slice. Each thread takes reduction columns (one (channel, tap)
+  // each: one division) and loads that column at all NT positions at once, so it waits for one
+  // round trip per column; the positions' offsets into x are worked out once per block.
+  __shared__ int64_t position_offset[NT];
+  __shared__ int position_start[NT];
+  if (threadIdx.x < NT) {
+    const int n = n0 + threadIdx.x;
+    const int b = n / a.lout, l = n - b * a.lout;
+    position_offset[threadIdx.x] = b * a.x_sb;
+    // Past the last position: an input index no tap reaches, so the column reads zeros.
+    position_start[threadIdx.x] = n < a.positions ? l * a.stride - a.pad : -(a.ksize + a.lin);
+  }
+  __syncthreads();
+  const int len = e_end - e_begin;
+  const T* x = static_cast<const T*>(a.x);
+  for (int el = threadIdx.x; el < len; el += kThreads) {
+    const int e = e_begin + el;
+    const int c = e / a.ksize, k = e - c * a.ksize;
+    const T* column = x + c * a.x_sc;
+    float v[NT];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int pos = position_start[n] + k;
+      v[n] = pos >= 0 && pos < a.lin ? static_cast<float>(column[position_offset[n] + pos * a.x_sl]) : 0.f;
+    }
+    const int slot = staged_position<EPL>(el);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) staged[n * a.split_len + slot] = v[n];
+  }
+  __syncthreads();
+
+  float acc[R * NT];
+#pragma unroll
+  for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
+  for (int chunk0 = 0; chunk0 < chunks; chunk0 += kDepth) {
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      const int chunk = chunk0 + d;
+      if (chunk < chunks && e_begin + chunk * kChunk + lane * EPL < e_end) {
+        float wf[R][EPL];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int v = 0; v < EPL; ++v) wf[r][v] = static_cast<float>(w[d][r].v[v]);
+        const float* xs = staged + chunk * kChunk + lane * (EPL < 4 ? EPL : 4);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          float xv[EPL];
+          if constexpr (EPL >= 4) {
+#pragma unroll
+            for (int q = 0; q < EPL / 4; ++q) {
+              const float4 x4 = *reinterpret_cast<const float4*>(xs + n * a.split_len + q * 128);
+              xv[4 * q] = x4.x;
+              xv[4 * q + 1] = x4.y;
+              xv[4 * q + 2] = x4.z;
+              xv[4 * q + 3] = x4.w;
+            }
+          } else {
+#pragma unroll
+            for (int v = 0; v < EPL; ++v) xv[v] = xs[n * a.split_len + v];
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int v = 0; v < EPL; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
+        }
+      }
+      load_chunk(d, chunk + kDepth);
+    }
+  }
+
+  int base = 0;
+  transpose_reduce<R * NT, 16>(acc, lane, base);
+  constexpr int kOwned = R * NT >= 32 ? R * NT / 32 : 1;
+  // With fewer than 32 sums, the trailing butterfly stages leave copies on lanes that differ
+  // only in their low bits; the lane with those bits clear writes.
+  constexpr int kCopies = R * NT >= 32 ? 1 : 32 / (R * NT);
+  if (lane % kCopies == 0) {
+#pragma unroll
+    for (int j = 0; j < kOwned; ++j) {
+      const int r = (base + j) / NT, n = (base + j) % NT;
+      if (row0 + r < a.m)
+        a.ws[(static_cast<int64_t>(blockIdx.y) * a.m + row0 + r) * a.nt + n0 + n] = acc[j];
+    }
+  }
+  arrive_and_finish<T, false>(a, tile_lo, min(tile_lo + kWarps * R, a.m), staged, NT * a.split_len);
+}
+
+// ---------------------------------------------------------------------------------------
+// ConvTranspose1d layout: the GEMM Y[(c_out, k)][(b, j)] = sum_ci W[ci][(c_out, k)] x[b, ci, j]
+// streams W's rows whole: block = (32 * EPL columns, a slice of input channels); lane owns
+// EPL consecutive columns, warps take every kWarps-th input channel of the slice and are
+// summed in shared memory at the end. The finishing block folds taps into positions.
+template <typename T, int NT, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_transposed_kernel(const StreamArgs a) {
+  extern __shared__ float4 shared_f4[];
+  float* shared = reinterpret_cast<float*>(shared_f4);
+  constexpr int V = EPL * NT;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile_lo = blockIdx.x * 32 * EPL;
+  const int col = tile_lo + lane * EPL;
+  const int n0 = blockIdx.z * NT;
+  const bool active = col < a.m;  // m % EPL == 0: a lane's columns are all in or all out
+  const int c_begin = blockIdx.y * a.split_len;
+  const int c_end = min(c_begin + a.split_len, a.red);
+  const int rows = max(0, (c_end - c_begin - warp + kWarps - 1) / kWarps);
+  const T* weight = static_cast<const T*>(a.weight);
+
+  Pack<T, EPL> w[kDepthTransposed];
+  const auto load_row = [&](int d, int i) {
+    if (active && i < rows)
+      w[d] = load_stream<T, EPL>(weight + static_cast<int64_t>(c_begin + warp + kWarps * i) * a.m + col);
+  };
+#pragma unroll
+  for (int d = 0; d < kDepthTransposed; ++d) load_row(d, d);
+  allow_dependents();
+  wait_for_producer();
+
+  // Stage x[b, ci, j] for the block's input channels at n = b * L_in + j: one channel per
+  // thread at a time, all NT positions' loads in flight together.
+  float* staged = shared;  // [split_len][NT]
+  const T* x = static_cast<const T*>(a.x);
+  for (int c = threadIdx.x; c < c_end - c_begin; c += kThreads) {
+    const T* channel = x + (c_begin + c) * a.x_sc;
+    float v[NT];
+#pragma unroll
+    for (int q = 0; q < NT; ++q) {
+      const int n = n0 + q, b = n / a.lin, j = n - b * a.lin;
+      v[q] = n < a.positions ? static_cast<float>(channel[b * a.x_sb + j * a.x_sl]) : 0.f;
+    }
+#pragma unroll
+    for (int q = 0; q < NT; ++q) staged[c * NT + q] = v[q];
+  }
+  __syncthreads();
+
+  float acc[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = 0.f;
+  for (int i0 = 0; i0 < rows; i0 += kDepthTransposed) {
+#pragma unroll
+    for (int d = 0; d < kDepthTransposed; ++d) {
+      const int i = i0 + d;
+      if (active && i < rows) {
+        const float* xs = staged + (warp + kWarps * i) * NT;
+#pragma unroll
+        for (int n4 = 0; n4 < NT; n4 += 4) {
+          const float4 x4 = *reinterpret_cast<const float4*>(xs + n4);
+          const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
+#pragma unroll
+          for (int v = 0; v < EPL; ++v) {
+            const float wv = static_cast<float>(w[d].v[v]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) acc[v * NT + n4 + q] = fmaf(wv, xv[q], acc[v * NT + n4 + q]);
+          }
+        }
+      }
+      load_row(d, i + kDepthTransposed);
+    }
+  }
+
+  // Sum the warps (a tree through shared memory, laid out [value][warp][lane]).
+  float* partial = shared;
+  for (int half = kWarps / 2; half >= 1; half /= 2) {
+    __syncthreads();
+    if (warp >= half && warp < 2 * half) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) partial[(j * half + warp - half) * 32 + lane] = acc[j];
+    }
+    __syncthreads();
+    if (warp < half) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += partial[(j * half + warp) * 32 + lane];
+    }
+  }
+  if (warp == 0 && active) {
+#pragma unroll
+    for (int v = 0; v < EPL; ++v)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        a.ws[(static_cast<int64_t>(blockIdx.y) * a.m + col + v) * a.nt + n0 + n] = acc[v * NT + n];
+  }
+  arrive_and_finish<T, true>(a, tile_lo, min(tile_lo + 32 * EPL, a.m), nullptr, 0);
+}
+
+// GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
+// pre: [C_out, B * L] (the GEMM's layout), pre-activations including the bias.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const StreamArgs a, const T* pre) {
+  __shared__ float scratch[kWarps];
+  __shared__ float2 stats[1];
+  const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
+  const int cpg = a.cout / a.groups;
+  normalize_group<T>(a, GemmPre<T>{pre, static_cast<int64_t>(a.batch) * a.lout}, g * cpg,
+                     (g + 1) * cpg, b, b + 1, scratch, stats);
+}
+
+// ---------------------------------------------------------------------------------------
+// Host side.
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// Fills the fields every path shares.
+StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, const at::Tensor& out,
+                       const std::optional<at::Tensor>& residual) {
+  StreamArgs a{};
+  a.x = x.data_ptr();
+  a.x_sb = x.stride(0);
+  a.x_sc = x.stride(1);
+  a.x_sl = x.stride(2);
+  a.weight = weight.data_ptr();
+  a.bias = optional_data(bias);
+  a.residual = optional_data(residual);
+  a.out = out.data_ptr();
+  a.batch = static_cast<int>(p.batch);
+  a.cin = static_cast<int>(p.in_channels);
+  a.cout = static_cast<int>(p.out_channels);
+  a.lin = static_cast<int>(p.in_length);
+  a.lout = static_cast<int>(p.out_length);
+  a.ksize = static_cast<int>(p.kernel_size);
+  a.stride = static_cast<int>(p.stride);
+  a.pad = static_cast<int>(p.padding);
+  a.groups = static_cast<int>(p.groups);
+  a.film_width = static_cast<int>(p.film_width);
+  return a;
+}
+
+// A streaming launch, fully decided before the workspace is allocated.
+struct StreamLaunch {
+  void (*kernel)(StreamArgs);
+  dim3 grid;
+  size_t shared_bytes;
+};
+
+// Sizes the split-K decomposition so that about kBlocksPerSm blocks run on every SM: the
+// reduction slice is a multiple of `granule` where it can be, and at most `max_split_len`
+// (the shared memory's limit, which wins).
+void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len) {
+  // At most one wave: a second, partial wave would leave most SMs idle while it runs.
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int wanted = std::max(1, kBlocksPerSm * sms / (m_tiles * a.n_tiles));
+  const int len = ceil_div(ceil_div(a.red, wanted), granule) * granule;
+  TORCH_INTERNAL_ASSERT(max_split_len >= 1, "no shared memory for a reduction slice");
+  a.split_len = std::min(len, max_split_len);
+  a.splits = ceil_div(a.red, a.split_len);
+}
+
+template <typename T, int NT>
+StreamLaunch plan_conv(StreamArgs& a, bool vectorised) {
+  constexpr int kVec = 16 / sizeof(T);
+  // Weight rows per warp: about 32 accumulators, and 16 fp32 weights per lane per request
+  // (half types carry 8 per 16-byte load, so fewer rows keep the registers in bounds).
+  constexpr int R = std::max(1, (NT <= 8 ? 4 : NT == 16 ? 2 : 1) * 4 / kVec);
+  const int granule = 32 * (vectorised ? kVec : 1);
+  const int m_tiles = ceil_div(a.m, kWarps * R);
+  plan_splits(a, m_tiles, granule, max_shared_bytes() / (NT * 4) / granule * granule);
+  if (a.groups == 0) a.unit_rows = kWarps * R;
+  return {vectorised ? stream_conv_kernel<T, NT, R, kVec> : stream_conv_kernel<T, NT, R, 1>,
+          dim3(m_tiles, a.splits, a.n_tiles), static_cast<size_t>(NT) * a.split_len * sizeof(float)};
+}
+
+// Vector width (elements) of the transposed kernel's weight loads: 16 bytes, or fewer where
+// that would take more than 64 accumulators.
+template <typename T, int NT>
+constexpr int transposed_vector() { return std::min<int>(16 / sizeof(T), 64 / NT); }
+
+template <typename T, int NT>
+StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
+  constexpr int kVec = transposed_vector<T, NT>();
+  const int epl = vectorised ? kVec : 1;
+  const int m_tiles = ceil_div(a.m, 32 * epl);
+  // At most 8 splits: the finishing block gathers every split of every tap of an output,
+  // which costs more than fewer, longer blocks save on these small layers.
+  plan_splits(a, m_tiles, ceil_div(a.red, 8), max_shared_bytes() / (NT * 4));
+  a.unit_rows = 32 * a.ksize;  // output tiles of 32 channels, all K taps of each
+  // Shared memory holds the staged inputs, then the tree that sums the warps.
+  const size_t floats = std::max<size_t>(static_cast<size_t>(a.split_len) * NT,
+                                         static_cast<size_t>(kWarps / 2) * 32 * epl * NT);
+  return {vectorised ? stream_conv_transposed_kernel<T, NT, kVec>
+                     : stream_conv_transposed_kernel<T, NT, 1>,
+          dim3(m_tiles, a.splits, a.n_tiles), floats * sizeof(float)};
+}
+
+template <typename T>
+StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight) {
+  const auto plan = [&](auto nt) {
+    constexpr int NT = decltype(nt)::value;
+    // Vector loads need each lane's run of weights 16-byte aligned: a row length (conv) or
+    // column count (transposed) divisible by the vector, and an aligned base.
+    const int vec = transposed ? transposed_vector<T, NT>() : 16 / static_cast<int>(sizeof(T));
+    const bool vectorised = (transposed ? a.m : a.red) % vec == 0 &&
+                            reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
+    return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised);
+  };
+  switch (a.nt / a.n_tiles) {
+    case 4: return plan(std::integral_constant<int, 4>{});
+    case 8: return plan(std::integral_constant<int, 8>{});
+    case 16: return plan(std::integral_constant<int, 16>{});
+    default: return plan(std::integral_constant<int, 32>{});
+  }
+}
+
+// Runs a streaming kernel with the caller's counters (or fresh zeros) and a workspace.
+void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
+                   const at::Tensor& weight, const std::optional<at::Tensor>& counters) {
+  const int tile = a.positions <= 4 ? 4 : a.positions <= 8 ? 8 : a.positions <= 16 ? 16 : 32;
+  a.n_tiles = ceil_div(a.positions, tile);
+  a.nt = a.n_tiles * tile;
+  // Prefetching into L2 pays where a layer's weights fit in (half) the L2 next to the
+  // previous layer's; bigger ones would evict their own prefetched lines.
+  a.prefetch = weight.nbytes() * 2 <= static_cast<size_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize);
+  StreamLaunch launch{};
+  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
+    launch = plan_stream<scalar_t>(a, p.transposed, weight);
+  });
+  const at::Tensor own_counters =
+      counters.has_value() ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
+  a.counters = (counters.has_value() ? *counters : own_counters).data_ptr<int>();
+  const at::Tensor ws = at::empty({static_cast<int64_t>(a.splits) * a.m * a.nt},
+                                  x.options().dtype(at::kFloat));
+  a.ws = ws.data_ptr<float>();
+
+  // Beyond 48 KB of static + dynamic shared memory a kernel must opt in.
+  if (launch.shared_bytes > 40 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(launch.shared_bytes)));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = launch.grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = launch.shared_bytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, launch.kernel, a));
+}
+
+// im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
+// bias, in x's dtype (tensor cores for fp16 / bf16; fp32 follows
+// torch.backends.cuda.matmul.allow_tf32, off by default).
+at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias, const ConvProblem& p) {
+  const at::Tensor cols = at::constant_pad_nd(x, {p.padding, p.padding})
+                              .unfold(2, p.kernel_size, 1)  // [B, C_in, L, K]
+                              .permute({1, 3, 0, 2})
+                              .reshape({p.in_channels * p.kernel_size, p.batch * p.out_length});
+  const at::Tensor w = weight.reshape({p.out_channels, -1});
+  return bias.has_value() ? at::addmm(bias->unsqueeze(1), w, cols) : at::mm(w, cols);
+}
+
+at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight_in,
+                               const std::optional<at::Tensor>& bias_in,
+                               const std::optional<at::Tensor>& gn_weight_in,
+                               const std::optional<at::Tensor>& gn_bias_in, int64_t num_groups,
+                               double eps, const std::optional<at::Tensor>& film_in,
+                               const std::optional<at::Tensor>& residual_in,
+                               const std::optional<at::Tensor>& counters) {
+  const ConvProblem p = check_conv1d_gn_mish_args(x, weight_in, bias_in, gn_weight_in, gn_bias_in,
+                                                  num_groups, eps, film_in, residual_in, counters);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor weight = weight_in.contiguous();
+  const auto bias = contiguous_or_none(bias_in), gn_weight = contiguous_or_none(gn_weight_in),
+             gn_bias = contiguous_or_none(gn_bias_in), residual = contiguous_or_none(residual_in);
+  // Rows may be strided (a slice of every block's FiLM, or one row broadcast to the batch).
+  const auto film = film_in.has_value() && film_in->stride(1) != 1
+                        ? std::optional<at::Tensor>(film_in->contiguous()) : film_in;
+  at::Tensor out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+  StreamArgs a = common_args(p, x, weight, bias, out, residual);
+  a.gn_weight = optional_data(gn_weight);
+  a.gn_bias = optional_data(gn_bias);
+  a.film = optional_data(film);
+  a.film_sb = film.has_value() ? film->stride(0) : 0;
+  a.eps = static_cast<float>(eps);
+  a.positions = static_cast<int>(p.batch * p.out_length);
+  if (a.positions >= gemm_path_min_positions.load()) {
+    const at::Tensor pre = conv_as_gemm(x, weight, bias, p).contiguous();
+    DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
+      group_norm_epilogue_kernel<scalar_t>
+          <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0,
+             at::cuda::getCurrentCUDAStream()>>>(a, pre.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return out;
+  }
+  a.m = a.cout;
+  a.red = static_cast<int>(p.in_channels * p.kernel_size);
+  a.unit_rows = static_cast<int>(p.out_channels / p.groups);
+  run_streaming(a, p, x, weight, counters);
+  return out;
+}
+
+at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight_in,
+                       const std::optional<at::Tensor>& bias_in, int64_t stride, int64_t padding,
+                       bool transposed, const std::optional<at::Tensor>& residual_in,
+                       const std::optional<at::Tensor>& counters) {
+  const ConvProblem p =
+      check_conv1d_args(x, weight_in, bias_in, stride, padding, transposed, residual_in, counters);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor weight = weight_in.contiguous();
+  const auto bias = contiguous_or_none(bias_in), residual = contiguous_or_none(residual_in);
+  const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
+  if (positions >= gemm_path_min_positions.load()) {
+    at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
+                                : at::conv1d(x, weight, bias, stride, padding);
+    if (residual.has_value()) out.add_(*residual);
+    return out.contiguous();
+  }
+  at::Tensor out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+  StreamArgs a = common_args(p, x, weight, bias, out, residual);
+  a.positions = static_cast<int>(positions);
+  a.m = static_cast<int>(transposed ? p.out_channels * p.kernel_size : p.out_channels);
+  a.red = static_cast<int>(transposed ? p.in_channels : p.in_channels * p.kernel_size);
+  run_streaming(a, p, x, weight, counters);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(dpa, CUDA, m) {
+  m.impl("conv1d_gn_mish", &conv1d_gn_mish_cuda);
+  m.impl("conv1d", &conv1d_cuda);
+}
+
+}  // namespace dpa

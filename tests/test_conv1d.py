@@ -1,0 +1,240 @@
+"""conv1d (Conv1d / ConvTranspose1d + bias + residual) against a float64 PyTorch reference, on
+CPU and (where present) CUDA."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.model import ConditionalUnet1D
+from conftest import DEVICES, poison_allocator
+
+# Tolerances per dtype, on outputs of size ~1 (weights scaled like PyTorch's default init):
+#  fp32: fp32 accumulation of up to ~4k products: ~1e-6, margin x100.
+#  fp16 / bf16: one rounding of the output (2^-11 / 2^-8 relative) dominates: ~4 ulps.
+TOLERANCES = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2),
+}
+
+
+def unet_conv_shapes(down_dims, input_dim, horizon=16):
+    """(batch, in, out, length, kernel, stride, padding, transposed) of every plain conv of a
+    Diffusion Policy U-Net (down/upsampling, 1x1 residual and final convs), read off hooks on
+    a meta-device forward."""
+    with torch.device("meta"):
+        unet = ConditionalUnet1D(input_dim, global_cond_dim=8, down_dims=down_dims, kernel_size=5)
+    shapes = []
+
+    def hook(module, args, out):
+        x = args[0]
+        shapes.append((x.shape[0], x.shape[1], out.shape[1], x.shape[2], module.kernel_size[0],
+                       module.stride[0], module.padding[0], isinstance(module, torch.nn.ConvTranspose1d)))
+
+    convs = [m for name, m in unet.named_modules()
+             if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) and ".block." not in name]
+    hooks = [m.register_forward_hook(hook) for m in convs]
+    unet.use_fused_ops = False
+    with torch.no_grad():
+        unet(torch.zeros(1, horizon, input_dim, device="meta"), 0,
+             global_cond=torch.zeros(1, 8, device="meta"))
+    for h in hooks:
+        h.remove()
+    return sorted(set(shapes))
+
+
+UNET_SHAPES = unet_conv_shapes([256, 512, 1024], 2) + unet_conv_shapes([512, 1024, 2048], 10)
+ODD_SHAPES = [
+    (1, 3, 5, 7, 3, 1, 1, False), (3, 5, 4, 9, 4, 3, 2, False), (2, 8, 6, 1, 1, 1, 0, False),
+    (1, 6, 9, 10, 7, 2, 0, False), (5, 4, 3, 6, 2, 1, 1, False), (1, 1, 1, 1, 1, 1, 0, False),
+    (1, 7, 5, 3, 3, 3, 0, True), (3, 6, 10, 5, 4, 2, 1, True), (2, 4, 4, 1, 5, 1, 2, True),
+    (1, 9, 3, 8, 2, 2, 0, True), (4, 5, 7, 3, 1, 1, 0, True), (1, 33, 65, 7, 4, 2, 1, True),
+]
+BATCH64_SHAPES = [(64, 512, 512, 8, 3, 2, 1, False), (64, 512, 512, 4, 4, 2, 1, True),
+                  (64, 1024, 256, 8, 1, 1, 0, False)]
+
+
+def make_inputs(shape, dtype, device, generator):
+    batch, cin, cout, length, k, _, _, transposed = shape
+    rand = lambda *s, scale=1.0: (torch.randn(*s, generator=generator) * scale).to(device, dtype)
+    w_shape = (cin, cout, k) if transposed else (cout, cin, k)
+    return rand(batch, cin, length), rand(*w_shape, scale=(cin * k) ** -0.5), rand(cout, scale=0.1)
+
+
+def reference(x, w, b, stride, padding, transposed, residual=None):
+    d = lambda t: None if t is None else t.detach().double().cpu()
+    conv = F.conv_transpose1d if transposed else F.conv1d
+    out = conv(d(x), d(w), d(b), stride=stride, padding=padding)
+    return out if residual is None else out + d(residual)
+
+
+def check(shape, dtype, device, seed=0, with_residual=True):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = make_inputs(shape, dtype, device, g)
+    _, _, _, _, _, stride, padding, transposed = shape
+    expected_shape = reference(x, w, b, stride, padding, transposed).shape
+    residual = torch.randn(expected_shape, generator=g).to(device, dtype) if with_residual else None
+    poison_allocator(device, expected_shape.numel(), dtype)
+    out = ops.conv1d(x, w, b, stride, padding, transposed=transposed, residual=residual)
+    assert out.shape == expected_shape and out.dtype == dtype and out.device == x.device
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+    torch.testing.assert_close(out.cpu().double(),
+                               reference(x, w, b, stride, padding, transposed, residual),
+                               **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", UNET_SHAPES + ODD_SHAPES, ids=str)
+def test_matches_float64_reference(shape, dtype, device):
+    check(shape, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", BATCH64_SHAPES, ids=str)
+def test_batch_64(shape, device):
+    check(shape, torch.float32, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_bias_no_residual_and_strided_input(device):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 6, 3, generator=g).to(device).transpose(0, 2)  # [3, 6, 16], strided
+    for transposed in (False, True):
+        w = torch.randn(6, 6, 3, generator=g).to(device) / 4
+        out = ops.conv1d(x, w, None, 2, 1, transposed=transposed)
+        torch.testing.assert_close(out.cpu().double(), reference(x, w, None, 2, 1, transposed),
+                                   **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counters_are_left_zero(device):
+    counters = torch.zeros(1024, dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(2)
+    for shape in [(1, 512, 512, 16, 3, 2, 1, False), (1, 512, 512, 4, 4, 2, 1, True),
+                  (1, 256, 2, 16, 1, 1, 0, False)]:
+        x, w, b = make_inputs(shape, torch.float32, device, g)
+        for _ in range(2):
+            out = ops.conv1d(x, w, b, shape[5], shape[6], transposed=shape[7], counters=counters)
+            assert int(counters.abs().sum()) == 0
+        torch.testing.assert_close(out.cpu().double(), reference(x, w, b, *shape[5:]),
+                                   **TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1, 8, 16, 16, 3, 2, 1, False), (2, 6, 4, 5, 4, 2, 1, True), (3, 4, 2, 7, 1, 1, 0, False)]:
+        x, w, b = make_inputs(shape, torch.float32, device, g)
+        args = (x, w, b, shape[5], shape[6], shape[7])
+        torch.library.opcheck(torch.ops.dpa.conv1d.default, args)
+        residual = torch.randn(reference(*args).shape, generator=g).to(device)
+        torch.library.opcheck(torch.ops.dpa.conv1d.default, args, dict(residual=residual))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile(device):
+    g = torch.Generator().manual_seed(4)
+    x, w, b = make_inputs((2, 8, 8, 8, 4, 2, 1, True), torch.float32, device, g)
+    fn = torch.compile(lambda x, w, b: ops.conv1d(x, w, b, 2, 1, transposed=True) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(x, w, b), ops.conv1d(x, w, b, 2, 1, transposed=True) * 2)
+
+
+def good_args(device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    x, w, b = make_inputs((2, 4, 8, 6, 3, 2, 1, False), torch.float32, device, g)
+    return dict(x=x, weight=w, bias=b, stride=2, padding=1)
+
+
+BAD_INPUTS = [
+    # (what to change, expected exception, text the message must contain)
+    (dict(x=torch.randn(2, 4, 6, dtype=torch.float64)), TypeError, "x must be float32"),
+    (dict(weight=torch.randn(8, 4, 3, dtype=torch.bfloat16)), TypeError, "weight has dtype"),
+    (dict(bias=torch.randn(8, dtype=torch.float16)), TypeError, "bias has dtype"),
+    (dict(x=torch.randn(4, 6)), ValueError, "x must be 3-D"),
+    (dict(weight=torch.randn(8, 12)), ValueError, "weight must be 3-D"),
+    (dict(weight=torch.randn(8, 5, 3)), ValueError, "weight has in_channels 5"),
+    (dict(weight=torch.randn(8, 4, 0)), ValueError, "kernel_size >= 1"),
+    (dict(bias=torch.randn(7)), ValueError, "bias must have shape [8]"),
+    (dict(stride=0), ValueError, "stride must be >= 1"),
+    (dict(padding=-1), ValueError, "padding must be >= 0"),
+    (dict(weight=torch.randn(8, 4, 9), padding=1), ValueError, "gives no output"),
+    (dict(x=torch.randn(0, 4, 6)), ValueError, "x must be non-empty"),
+    (dict(residual=torch.randn(2, 8, 4)), ValueError, "residual must have the output's shape [2, 8, 3]"),
+    (dict(counters=torch.zeros(8, dtype=torch.int64)), TypeError, "counters must be int32"),
+    (dict(counters=torch.zeros(3, dtype=torch.int32)), ValueError, "at least out_channels (8)"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_input_raises(change, error, text, device):
+    args = good_args(device)
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    with pytest.raises(error, match=re.escape(text)):
+        ops.conv1d(**args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_transposed_weight_layout_is_checked(device):
+    args = good_args(device)
+    with pytest.raises(ValueError, match="weight has in_channels 8"):
+        ops.conv1d(args["x"], args["weight"], args["bias"], 2, 1, transposed=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["x", "weight", "bias", "residual", "counters"])
+def test_mixed_devices_raise(name):
+    args = good_args("cuda")
+    args.update(residual=torch.randn(2, 8, 3, device="cuda"),
+                counters=torch.zeros(8, dtype=torch.int32, device="cuda"))
+    args[name] = args[name].cpu()
+    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
+        ops.conv1d(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("cuDNN", 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_cuda_routes(route, threshold, dtype):
+    """The op picks its CUDA route by batch * length; each route must be right on every shape."""
+    default = ops.set_gemm_path_min_positions(threshold)
+    try:
+        for shape in [(1, 256, 256, 16, 3, 2, 1, False), (3, 7, 6, 3, 4, 2, 1, True),
+                      (8, 64, 96, 4, 1, 1, 0, False), (2, 9, 24, 5, 5, 3, 2, True)]:
+            check(shape, dtype, "cuda")
+    finally:
+        ops.set_gemm_path_min_positions(default)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_programmatic_dependent_launch_chain(pdl):
+    """Back-to-back streaming kernels, each reading the last one's output, inside a CUDA graph
+    (where PDL lets the next kernel start early): the result must not depend on the switch."""
+    g = torch.Generator().manual_seed(6)
+    ws = [(torch.randn(256, 256, 3, generator=g) / 28).cuda() for _ in range(6)]
+    x = torch.randn(1, 256, 16, generator=g).cuda()
+    counters = torch.zeros(256, dtype=torch.int32, device="cuda")
+    previous = ops.set_pdl(pdl)
+    try:
+        def chain():
+            y = x
+            for w in ws:
+                y = ops.conv1d(y, w, None, 1, 1, counters=counters)
+            return y
+
+        expected = x.double().cpu()
+        for w in ws:
+            expected = F.conv1d(expected, w.double().cpu(), padding=1)
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        for _ in range(3):
+            graph.replay()
+            torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[torch.float32])
+    finally:
+        ops.set_pdl(previous)
