@@ -263,8 +263,8 @@ class ConditionalUnet1D(nn.Module):
     forward(sample [B, T, input_dim], timestep, local_cond [B, T, local_cond_dim] or None,
     global_cond [B, global_cond_dim] or None) -> [B, T, input_dim].
 
-    `use_fused_ops` (default True) switches every Conv1dBlock between the fused op and
-    the plain PyTorch ops, so the two can be compared on the same weights.
+    `use_fused_ops` (default True) switches every convolution between the fused ops and
+    plain PyTorch, so the two can be compared on the same weights.
     """
 
     def __init__(self, input_dim: int, local_cond_dim: Optional[int] = None,

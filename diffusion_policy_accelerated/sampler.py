@@ -63,10 +63,10 @@ class GraphedSampler:
             # launch for all blocks; block m reads columns self._film_columns[m].
             self._film_table = torch.cat(list(per_step.values()), dim=1)
             self._film_weight = torch.cat(list(per_observation.values()), dim=0)
-        self._film_columns = {}
+        self._film_columns, start = {}, 0
         for block, table in per_step.items():
-            start = sum(hi - lo for lo, hi in self._film_columns.values())
             self._film_columns[block] = (start, start + table.shape[1])
+            start += table.shape[1]
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
 
