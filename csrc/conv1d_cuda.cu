@@ -79,7 +79,7 @@ struct StreamArgs {
   void* out;             // [B, C_out, L_out]
   float* ws;             // [splits, m, nt] partial sums
   int* counters;         // one per output tile, zero on entry and on exit
-  int batch, cin, cout, lin, lout, ksize, stride, pad;
+  int batch, cout, lin, lout, ksize, stride, pad;
   int positions;  // GEMM N: batch * L_out (conv) or batch * L_in (transposed)
   int nt;         // positions rounded up to the kernel's tile (workspace row stride)
   int m;          // GEMM rows streamed: C_out (conv) or C_out * K (transposed)
@@ -704,7 +704,6 @@ StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tens
   a.residual = optional_data(residual);
   a.out = out.data_ptr();
   a.batch = static_cast<int>(p.batch);
-  a.cin = static_cast<int>(p.in_channels);
   a.cout = static_cast<int>(p.out_channels);
   a.lin = static_cast<int>(p.in_length);
   a.lout = static_cast<int>(p.out_length);

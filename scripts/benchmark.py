@@ -12,6 +12,9 @@ device-to-device copy bandwidth measured in the same run. Medians of CUDA-event 
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
     python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--compile] [--out DIR]
+                                [--ours-only]
+
+--ours-only skips the baselines (a quick A/B of our variants).
 """
 import argparse
 import json
@@ -94,6 +97,7 @@ def main():
     parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
     parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
+    parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
     args = parser.parse_args()
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -114,7 +118,7 @@ def main():
             scheduler_cls, steps = SCHEDULES[schedule_name]
             scheduler = scheduler_cls(**SCHEDULER_CONFIG)
             schedule = DenoiseSchedule.from_diffusers(scheduler, steps).to("cuda")
-            compiled = torch.compile(base, mode="max-autotune") if args.compile else None
+            compiled = torch.compile(base, mode="max-autotune") if args.compile and not args.ours_only else None
             for batch in args.batch:
                 gen = torch.Generator("cuda").manual_seed(0)
                 data = torch.randn(batch, HORIZON, 2, device="cuda", generator=gen)
@@ -124,8 +128,9 @@ def main():
                 methods = {}
                 with torch.inference_mode():
                     base.use_fused_ops = False
-                    methods["eager"] = lambda: dp_loop(base, scheduler, steps, data, mask, global_cond, gen)
-                    methods["graph"] = graphed_pytorch_loop(base, schedule, data, mask, global_cond, noise)
+                    if not args.ours_only:
+                        methods["eager"] = lambda: dp_loop(base, scheduler, steps, data, mask, global_cond, gen)
+                        methods["graph"] = graphed_pytorch_loop(base, schedule, data, mask, global_cond, noise)
                     if compiled is not None:
                         methods["compile"] = lambda: dp_loop(compiled, scheduler, steps, data, mask, global_cond, gen)
                     results = {}

@@ -80,7 +80,10 @@ if want profile; then
   done
 fi
 if want ncu; then
+  echo "== Nsight Compute: DRAM bytes of every conv kernel of a lowdim forward against the formulas"
+  python3 scripts/ncu_unet.py --csv "$WORK/ncu_unet.csv" 2>&1 | tee "$WORK/ncu_unet.txt" || status=1
   echo "== Nsight Compute: fused Conv1dBlock kernel, a small and a large layer"
-  bash scripts/ncu_conv.sh "256 256 16" "1024 1024 4" 2>&1 | tee "$WORK/ncu.txt" || status=1
+  bash scripts/ncu_conv.sh "256 256 16" "1024 1024 4" >"$WORK/ncu.txt" 2>&1 || status=1
+  grep -E "^(==|Duration|DRAM Throughput|Memory Throughput|Registers|Achieved Occupancy)" "$WORK/ncu.txt"
 fi
 exit $status
