@@ -64,8 +64,7 @@ ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& wei
                                       int64_t num_groups, double eps,
                                       const std::optional<at::Tensor>& film,
                                       const std::optional<at::Tensor>& residual,
-                                      const std::optional<at::Tensor>& counters) {
-  constexpr const char* op = "conv1d_gn_mish";
+                                      const std::optional<at::Tensor>& counters, const char* op) {
   check_input_and_weight(x, weight, op, "[out_channels, in_channels, kernel_size]");
   ConvProblem p{};
   p.batch = x.size(0);
@@ -140,6 +139,38 @@ ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
   check_channel_vector(bias, p.out_channels, x, op, "bias");
   check_output_extras(p, x, residual, counters, op);
   return p;
+}
+
+std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters) {
+  constexpr const char* op = "conv1d_gn_mish_shortcut";
+  const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
+                                                  eps, film, std::nullopt, std::nullopt, op);
+  check_same_device(shortcut_weight, x, op, "shortcut_weight", "x");
+  check_same_dtype(shortcut_weight, x, op, "shortcut_weight", "x");
+  check_dim(shortcut_weight, 3, op, "shortcut_weight", "[shortcut_channels, in_channels, 1]");
+  TORCH_CHECK_VALUE(shortcut_weight.size(0) > 0 && shortcut_weight.size(1) == p.in_channels &&
+                        shortcut_weight.size(2) == 1,
+                    op, ": shortcut_weight must be [shortcut_channels, ", p.in_channels,
+                    ", 1] (a 1x1 conv of x), got ", shortcut_weight.sizes());
+  ConvProblem shortcut = p;
+  shortcut.out_channels = shortcut_weight.size(0);
+  shortcut.kernel_size = 1;
+  shortcut.padding = 0;
+  shortcut.groups = 0;
+  shortcut.film_width = 0;
+  check_channel_vector(shortcut_bias, shortcut.out_channels, x, op, "shortcut_bias");
+  check_output_extras(shortcut, x, std::nullopt, std::nullopt, op);
+  if (counters.has_value()) {
+    ConvProblem both = p;
+    both.out_channels = p.out_channels + shortcut.out_channels;
+    check_output_extras(both, x, std::nullopt, counters, op);
+  }
+  return {p, shortcut};
 }
 
 namespace {
@@ -230,11 +261,25 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
   return out.to(x.scalar_type()).contiguous();
 }
 
+std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters) {
+  check_conv1d_gn_mish_shortcut_args(x, weight, bias, gn_weight, gn_bias, num_groups, eps,
+                                     shortcut_weight, shortcut_bias, film, counters);
+  const std::optional<at::Tensor> none;
+  return {conv1d_gn_mish_cpu(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
+          conv1d_cpu(x, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpa, CPU, m) {
   m.impl("conv1d_gn_mish", &conv1d_gn_mish_cpu);
   m.impl("conv1d", &conv1d_cpu);
+  m.impl("conv1d_gn_mish_shortcut", &conv1d_gn_mish_shortcut_cpu);
 }
 
 }  // namespace dpa

@@ -6,12 +6,17 @@
 //   conv1d:         a plain Conv1d or ConvTranspose1d (any kernel size, stride, padding) plus
 //                   bias, optionally plus a residual: the U-Net's down/upsampling, its 1x1
 //                   residual convs and its final 1x1 conv.
+//   conv1d_gn_mish_shortcut:
+//                   conv1d_gn_mish (with FiLM) and a 1x1 Conv1d of the same x, returned
+//                   together: the first conv of a residual block whose channel count changes
+//                   and the block's shortcut, one launch for both on the CUDA streaming path.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <atomic>
 #include <optional>
+#include <utility>
 
 namespace dpa {
 
@@ -39,13 +44,23 @@ ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& wei
                                       int64_t num_groups, double eps,
                                       const std::optional<at::Tensor>& film,
                                       const std::optional<at::Tensor>& residual,
-                                      const std::optional<at::Tensor>& counters);
+                                      const std::optional<at::Tensor>& counters,
+                                      const char* op = "conv1d_gn_mish");
 
 ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, int64_t stride,
                               int64_t padding, bool transposed,
                               const std::optional<at::Tensor>& residual,
                               const std::optional<at::Tensor>& counters);
+
+// (the conv1d_gn_mish problem, the shortcut's). `counters` here needs >= out_channels +
+// shortcut channels elements: the first conv's, then the shortcut's.
+std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters);
 
 #ifdef DPA_WITH_CUDA
 // The CUDA implementation streams the weights through a split-K kernel while

@@ -23,7 +23,9 @@
 //
 // Two layouts: Conv1d weights [C_out, C_in, K] are rows of the GEMM (stream_conv_kernel);
 // ConvTranspose1d weights [C_in, C_out, K] are columns (stream_conv_transposed_kernel, which
-// computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue). Beyond
+// computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue);
+// stream_conv_pair_kernel runs two Conv1d-layout problems of one input in one launch (a
+// residual block's first conv and its 1x1 shortcut). Beyond
 // ~32 positions each weight feeds enough outputs that im2col + cuBLAS (or cuDNN) wins; the
 // GroupNorm epilogue is then one more launch (group_norm_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>
@@ -446,13 +448,15 @@ __device__ __forceinline__ int staged_position(int el) {
 // Conv1d layout: block = (row tile of kWarps * R output channels, reduction slice). Warp w
 // streams rows w*R .. w*R+R-1 of the tile; each lane reads EPL consecutive weights of each
 // row per request. NT: positions (batch x length), padded; EPL: weights per lane per load.
+// `tile`: the block's row tile (blockIdx.x, or its place among one problem's tiles when a
+// launch serves two).
 template <typename T, int NT, int R, int EPL>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm) stream_conv_kernel(const StreamArgs a) {
+__device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) {
   extern __shared__ float4 shared_f4[];
   float* staged = reinterpret_cast<float*>(shared_f4);  // [NT][split_len], see staged_position
   constexpr int kChunk = 32 * EPL;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile_lo = blockIdx.x * kWarps * R;
+  const int tile_lo = tile * kWarps * R;
   const int row0 = tile_lo + warp * R;
   const int n0 = blockIdx.z * NT;
   const int e_begin = blockIdx.y * a.split_len;
@@ -574,6 +578,33 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) stream_conv_kernel(con
     }
   }
   arrive_and_finish<T, false>(a, tile_lo, min(tile_lo + kWarps * R, a.m), staged, NT * a.split_len);
+}
+
+template <typename T, int NT, int R, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) stream_conv_kernel(const StreamArgs a) {
+  stream_conv_tile<T, NT, R, EPL>(a, blockIdx.x);
+}
+
+// Two convs of the same input in one launch, so that the second costs no launch, no input
+// round trip and no finishing pass of its own: a residual block's first conv and its 1x1
+// shortcut. Row tiles [0, a_tiles) are a's, the rest b's; each problem has its own
+// reduction split (gridDim.y covers the larger), workspace and counters. The block's
+// problem is copied to shared memory so that the body is compiled once: two inlined copies
+// double the code each launch must fetch into a cold instruction cache.
+template <typename T, int NT, int R, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_pair_kernel(const StreamArgs a, const StreamArgs b, int a_tiles) {
+  __shared__ StreamArgs problem;
+  const bool first = blockIdx.x < a_tiles;
+  if (blockIdx.y >= (first ? a.splits : b.splits)) return;
+  constexpr int kWords = sizeof(StreamArgs) / sizeof(int);
+  static_assert(sizeof(StreamArgs) % sizeof(int) == 0, "StreamArgs is copied as words");
+  if (threadIdx.x < kWords) {
+    reinterpret_cast<int*>(&problem)[threadIdx.x] =
+        reinterpret_cast<const int*>(first ? &a : &b)[threadIdx.x];
+  }
+  __syncthreads();
+  stream_conv_tile<T, NT, R, EPL>(problem, first ? blockIdx.x : blockIdx.x - a_tiles);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -715,20 +746,26 @@ StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tens
   return a;
 }
 
-// A streaming launch, fully decided before the workspace is allocated.
+// A streaming launch, fully decided before the workspace is allocated. pair_kernel: the
+// same instantiation serving two problems (Conv1d layout only).
 struct StreamLaunch {
   void (*kernel)(StreamArgs);
+  void (*pair_kernel)(StreamArgs, StreamArgs, int);
   dim3 grid;
   size_t shared_bytes;
 };
 
-// Sizes the split-K decomposition so that about kBlocksPerSm blocks run on every SM: the
+// Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
+// idle while it runs.
+int wave_blocks() {
+  return kBlocksPerSm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// Sizes the split-K decomposition so that the problem runs on about `blocks` blocks: the
 // reduction slice is a multiple of `granule` where it can be, and at most `max_split_len`
 // (the shared memory's limit, which wins).
-void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len) {
-  // At most one wave: a second, partial wave would leave most SMs idle while it runs.
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int wanted = std::max(1, kBlocksPerSm * sms / (m_tiles * a.n_tiles));
+void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len, int blocks) {
+  const int wanted = std::max(1, blocks / (m_tiles * a.n_tiles));
   const int len = ceil_div(ceil_div(a.red, wanted), granule) * granule;
   TORCH_INTERNAL_ASSERT(max_split_len >= 1, "no shared memory for a reduction slice");
   a.split_len = std::min(len, max_split_len);
@@ -736,16 +773,17 @@ void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len) {
 }
 
 template <typename T, int NT>
-StreamLaunch plan_conv(StreamArgs& a, bool vectorised) {
+StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
   constexpr int kVec = 16 / sizeof(T);
   // Weight rows per warp: about 32 accumulators, and 16 fp32 weights per lane per request
   // (half types carry 8 per 16-byte load, so fewer rows keep the registers in bounds).
   constexpr int R = std::max(1, (NT <= 8 ? 4 : NT == 16 ? 2 : 1) * 4 / kVec);
   const int granule = 32 * (vectorised ? kVec : 1);
   const int m_tiles = ceil_div(a.m, kWarps * R);
-  plan_splits(a, m_tiles, granule, max_shared_bytes() / (NT * 4) / granule * granule);
+  plan_splits(a, m_tiles, granule, max_shared_bytes() / (NT * 4) / granule * granule, blocks);
   if (a.groups == 0) a.unit_rows = kWarps * R;
   return {vectorised ? stream_conv_kernel<T, NT, R, kVec> : stream_conv_kernel<T, NT, R, 1>,
+          vectorised ? stream_conv_pair_kernel<T, NT, R, kVec> : stream_conv_pair_kernel<T, NT, R, 1>,
           dim3(m_tiles, a.splits, a.n_tiles), static_cast<size_t>(NT) * a.split_len * sizeof(float)};
 }
 
@@ -761,18 +799,18 @@ StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
   const int m_tiles = ceil_div(a.m, 32 * epl);
   // At most 8 splits: the finishing block gathers every split of every tap of an output,
   // which costs more than fewer, longer blocks save on these small layers.
-  plan_splits(a, m_tiles, ceil_div(a.red, 8), max_shared_bytes() / (NT * 4));
+  plan_splits(a, m_tiles, ceil_div(a.red, 8), max_shared_bytes() / (NT * 4), wave_blocks());
   a.unit_rows = 32 * a.ksize;  // output tiles of 32 channels, all K taps of each
   // Shared memory holds the staged inputs, then the tree that sums the warps.
   const size_t floats = std::max<size_t>(static_cast<size_t>(a.split_len) * NT,
                                          static_cast<size_t>(kWarps / 2) * 32 * epl * NT);
   return {vectorised ? stream_conv_transposed_kernel<T, NT, kVec>
                      : stream_conv_transposed_kernel<T, NT, 1>,
-          dim3(m_tiles, a.splits, a.n_tiles), floats * sizeof(float)};
+          nullptr, dim3(m_tiles, a.splits, a.n_tiles), floats * sizeof(float)};
 }
 
 template <typename T>
-StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight) {
+StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks) {
   const auto plan = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
     // Vector loads need each lane's run of weights 16-byte aligned: a row length (conv) or
@@ -780,7 +818,7 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
     const int vec = transposed ? transposed_vector<T, NT>() : 16 / static_cast<int>(sizeof(T));
     const bool vectorised = (transposed ? a.m : a.red) % vec == 0 &&
                             reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
-    return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised);
+    return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised, blocks);
   };
   switch (a.nt / a.n_tiles) {
     case 4: return plan(std::integral_constant<int, 4>{});
@@ -790,42 +828,103 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
   }
 }
 
-// Runs a streaming kernel with the caller's counters (or fresh zeros) and a workspace.
-void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
-                   const at::Tensor& weight, const std::optional<at::Tensor>& counters) {
+// Position tiles, and whether the blocks prefetch their own weights into L2 while they wait
+// for the previous kernel: that pays where a layer's weights fit in (half) the L2 next to
+// the previous layer's; bigger ones would evict their own prefetched lines.
+void tile_positions(StreamArgs& a, const at::Tensor& weight) {
   const int tile = a.positions <= 4 ? 4 : a.positions <= 8 ? 8 : a.positions <= 16 ? 16 : 32;
   a.n_tiles = ceil_div(a.positions, tile);
   a.nt = a.n_tiles * tile;
-  // Prefetching into L2 pays where a layer's weights fit in (half) the L2 next to the
-  // previous layer's; bigger ones would evict their own prefetched lines.
   a.prefetch = weight.nbytes() * 2 <= static_cast<size_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize);
-  StreamLaunch launch{};
-  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
-    launch = plan_stream<scalar_t>(a, p.transposed, weight);
-  });
-  const at::Tensor own_counters =
-      counters.has_value() ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
-  a.counters = (counters.has_value() ? *counters : own_counters).data_ptr<int>();
-  const at::Tensor ws = at::empty({static_cast<int64_t>(a.splits) * a.m * a.nt},
-                                  x.options().dtype(at::kFloat));
-  a.ws = ws.data_ptr<float>();
+}
 
+// The split-K partial sums' workspace (returned: it must live until the launch is queued).
+at::Tensor attach_workspace(StreamArgs& a, const at::Tensor& x) {
+  at::Tensor ws = at::empty({static_cast<int64_t>(a.splits) * a.m * a.nt}, x.options().dtype(at::kFloat));
+  a.ws = ws.data_ptr<float>();
+  return ws;
+}
+
+// Launches on the current stream, with programmatic dependent launch where the GPU has it.
+template <typename... Params, typename... Args>
+void launch_streaming(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, Args... args) {
   // Beyond 48 KB of static + dynamic shared memory a kernel must opt in.
-  if (launch.shared_bytes > 40 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(launch.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(launch.shared_bytes)));
+  if (shared_bytes > 40 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = launch.grid;
+  config.gridDim = grid;
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = launch.shared_bytes;
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = at::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, launch.kernel, a));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+// Runs a streaming kernel with `counters` (the caller's, or null for fresh zeros) and a
+// workspace.
+void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
+                   const at::Tensor& weight, int* counters) {
+  tile_positions(a, weight);
+  StreamLaunch launch{};
+  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
+    launch = plan_stream<scalar_t>(a, p.transposed, weight, wave_blocks());
+  });
+  const at::Tensor own_counters =
+      counters ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
+  a.counters = counters ? counters : own_counters.data_ptr<int>();
+  const at::Tensor ws = attach_workspace(a, x);
+  launch_streaming(launch.kernel, launch.grid, launch.shared_bytes, a);
+}
+
+// Two Conv1d problems on the same input and positions (a and b, weights wa and wb) in one
+// launch; two launches where their plans need different kernel instantiations. The wave is
+// shared so that the most weight bytes any block streams is as small as the integer splits
+// allow: that block sets the launch's time. `counters`: a's then b's, or null for fresh zeros.
+void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, const ConvProblem& pb,
+                        const at::Tensor& x, const at::Tensor& wa, const at::Tensor& wb,
+                        int* counters) {
+  const at::Tensor own_counters =
+      counters ? at::Tensor()
+               : at::zeros({pa.out_channels + pb.out_channels}, x.options().dtype(at::kInt));
+  int* const base = counters ? counters : own_counters.data_ptr<int>();
+  tile_positions(a, wa);
+  tile_positions(b, wb);
+  StreamLaunch la{}, lb{};
+  const auto plan = [&](int b_blocks) {
+    DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
+      lb = plan_stream<scalar_t>(b, false, wb, b_blocks);
+      la = plan_stream<scalar_t>(a, false, wa, std::max(1, wave_blocks() - b_blocks));
+    });
+    // Weight elements per block: rows per tile x reduction slice.
+    return std::max(static_cast<int64_t>(ceil_div(a.m, la.grid.x)) * a.split_len,
+                    static_cast<int64_t>(ceil_div(b.m, lb.grid.x)) * b.split_len);
+  };
+  plan(1);
+  const int b_tiles = static_cast<int>(lb.grid.x) * b.n_tiles;
+  int best_blocks = b_tiles;
+  int64_t best = std::numeric_limits<int64_t>::max();
+  for (int b_blocks = b_tiles; b_blocks < wave_blocks(); b_blocks += b_tiles) {
+    const int64_t per_block = plan(b_blocks);
+    if (per_block < best) best = per_block, best_blocks = b_blocks;
+  }
+  plan(best_blocks);
+  a.counters = base;
+  b.counters = base + pa.out_channels;
+  const at::Tensor ws_a = attach_workspace(a, x), ws_b = attach_workspace(b, x);
+  if (la.pair_kernel != lb.pair_kernel) {
+    launch_streaming(la.kernel, la.grid, la.shared_bytes, a);
+    launch_streaming(lb.kernel, lb.grid, lb.shared_bytes, b);
+    return;
+  }
+  const dim3 grid(la.grid.x + lb.grid.x, std::max(la.grid.y, lb.grid.y), la.grid.z);
+  launch_streaming(la.pair_kernel, grid, std::max(la.shared_bytes, lb.shared_bytes), a, b,
+                   static_cast<int>(la.grid.x));
 }
 
 // im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
@@ -841,56 +940,99 @@ at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
   return bias.has_value() ? at::addmm(bias->unsqueeze(1), w, cols) : at::mm(w, cols);
 }
 
-at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight_in,
-                               const std::optional<at::Tensor>& bias_in,
-                               const std::optional<at::Tensor>& gn_weight_in,
-                               const std::optional<at::Tensor>& gn_bias_in, int64_t num_groups,
-                               double eps, const std::optional<at::Tensor>& film_in,
-                               const std::optional<at::Tensor>& residual_in,
-                               const std::optional<at::Tensor>& counters) {
-  const ConvProblem p = check_conv1d_gn_mish_args(x, weight_in, bias_in, gn_weight_in, gn_bias_in,
-                                                  num_groups, eps, film_in, residual_in, counters);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor weight = weight_in.contiguous();
-  const auto bias = contiguous_or_none(bias_in), gn_weight = contiguous_or_none(gn_weight_in),
-             gn_bias = contiguous_or_none(gn_bias_in), residual = contiguous_or_none(residual_in);
+// A conv1d_gn_mish call's operands, made contiguous (and kept alive here until the launch is
+// queued), its output, and the kernels' arguments.
+struct GnMishCall {
+  at::Tensor weight, out;
+  std::optional<at::Tensor> bias, gn_weight, gn_bias, film, residual;
+  StreamArgs a;
+};
+
+GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& gn_weight,
+                        const std::optional<at::Tensor>& gn_bias, double eps,
+                        const std::optional<at::Tensor>& film,
+                        const std::optional<at::Tensor>& residual) {
+  GnMishCall c;
+  c.weight = weight.contiguous();
+  c.bias = contiguous_or_none(bias);
+  c.gn_weight = contiguous_or_none(gn_weight);
+  c.gn_bias = contiguous_or_none(gn_bias);
+  c.residual = contiguous_or_none(residual);
   // Rows may be strided (a slice of every block's FiLM, or one row broadcast to the batch).
-  const auto film = film_in.has_value() && film_in->stride(1) != 1
-                        ? std::optional<at::Tensor>(film_in->contiguous()) : film_in;
-  at::Tensor out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
-  StreamArgs a = common_args(p, x, weight, bias, out, residual);
-  a.gn_weight = optional_data(gn_weight);
-  a.gn_bias = optional_data(gn_bias);
-  a.film = optional_data(film);
-  a.film_sb = film.has_value() ? film->stride(0) : 0;
-  a.eps = static_cast<float>(eps);
-  a.positions = static_cast<int>(p.batch * p.out_length);
-  if (a.positions >= gemm_path_min_positions.load()) {
-    const at::Tensor pre = conv_as_gemm(x, weight, bias, p).contiguous();
+  c.film = film.has_value() && film->stride(1) != 1 ? std::optional<at::Tensor>(film->contiguous()) : film;
+  c.out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+  c.a = common_args(p, x, c.weight, c.bias, c.out, c.residual);
+  c.a.gn_weight = optional_data(c.gn_weight);
+  c.a.gn_bias = optional_data(c.gn_bias);
+  c.a.film = optional_data(c.film);
+  c.a.film_sb = c.film.has_value() ? c.film->stride(0) : 0;
+  c.a.eps = static_cast<float>(eps);
+  c.a.positions = static_cast<int>(p.batch * p.out_length);
+  c.a.m = c.a.cout;
+  c.a.red = static_cast<int>(p.in_channels * p.kernel_size);
+  c.a.unit_rows = static_cast<int>(p.out_channels / p.groups);
+  return c;
+}
+
+// The same for a plain (or transposed) conv1d call.
+struct ConvCall {
+  at::Tensor weight, out;
+  std::optional<at::Tensor> bias, residual;
+  StreamArgs a;
+};
+
+ConvCall conv_call(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+  ConvCall c;
+  c.weight = weight.contiguous();
+  c.bias = contiguous_or_none(bias);
+  c.residual = contiguous_or_none(residual);
+  c.out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+  c.a = common_args(p, x, c.weight, c.bias, c.out, c.residual);
+  c.a.positions = static_cast<int>(p.batch * (p.transposed ? p.in_length : p.out_length));
+  c.a.m = static_cast<int>(p.transposed ? p.out_channels * p.kernel_size : p.out_channels);
+  c.a.red = static_cast<int>(p.transposed ? p.in_channels : p.in_channels * p.kernel_size);
+  return c;
+}
+
+int* counters_data(const std::optional<at::Tensor>& counters) {
+  return counters.has_value() ? counters->data_ptr<int>() : nullptr;
+}
+
+at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& gn_weight,
+                               const std::optional<at::Tensor>& gn_bias, int64_t num_groups,
+                               double eps, const std::optional<at::Tensor>& film,
+                               const std::optional<at::Tensor>& residual,
+                               const std::optional<at::Tensor>& counters) {
+  const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
+                                                  eps, film, residual, counters);
+  const c10::cuda::CUDAGuard guard(x.device());
+  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
+  if (c.a.positions >= gemm_path_min_positions.load()) {
+    const at::Tensor pre = conv_as_gemm(x, c.weight, c.bias, p).contiguous();
     DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
       group_norm_epilogue_kernel<scalar_t>
           <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0,
-             at::cuda::getCurrentCUDAStream()>>>(a, pre.data_ptr<scalar_t>());
+             at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    return out;
+    return c.out;
   }
-  a.m = a.cout;
-  a.red = static_cast<int>(p.in_channels * p.kernel_size);
-  a.unit_rows = static_cast<int>(p.out_channels / p.groups);
-  run_streaming(a, p, x, weight, counters);
-  return out;
+  run_streaming(c.a, p, x, c.weight, counters_data(counters));
+  return c.out;
 }
 
-at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight_in,
-                       const std::optional<at::Tensor>& bias_in, int64_t stride, int64_t padding,
-                       bool transposed, const std::optional<at::Tensor>& residual_in,
+at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias, int64_t stride, int64_t padding,
+                       bool transposed, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& counters) {
   const ConvProblem p =
-      check_conv1d_args(x, weight_in, bias_in, stride, padding, transposed, residual_in, counters);
+      check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor weight = weight_in.contiguous();
-  const auto bias = contiguous_or_none(bias_in), residual = contiguous_or_none(residual_in);
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
   if (positions >= gemm_path_min_positions.load()) {
     at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
@@ -898,13 +1040,31 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight_in,
     if (residual.has_value()) out.add_(*residual);
     return out.contiguous();
   }
-  at::Tensor out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
-  StreamArgs a = common_args(p, x, weight, bias, out, residual);
-  a.positions = static_cast<int>(positions);
-  a.m = static_cast<int>(transposed ? p.out_channels * p.kernel_size : p.out_channels);
-  a.red = static_cast<int>(transposed ? p.in_channels : p.in_channels * p.kernel_size);
-  run_streaming(a, p, x, weight, counters);
-  return out;
+  ConvCall c = conv_call(p, x, weight, bias, residual);
+  run_streaming(c.a, p, x, c.weight, counters_data(counters));
+  return c.out;
+}
+
+std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters) {
+  const auto [p, ps] = check_conv1d_gn_mish_shortcut_args(
+      x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, film,
+      counters);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (p.batch * p.out_length >= gemm_path_min_positions.load()) {
+    // Each conv is then a GEMM of its own; sharing a launch buys nothing.
+    const std::optional<at::Tensor> none;
+    return {conv1d_gn_mish_cuda(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
+            conv1d_cuda(x, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
+  }
+  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
+  ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
+  run_streaming_pair(c.a, cs.a, p, ps, x, c.weight, cs.weight, counters_data(counters));
+  return {c.out, cs.out};
 }
 
 }  // namespace
@@ -912,6 +1072,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight_in,
 TORCH_LIBRARY_IMPL(dpa, CUDA, m) {
   m.impl("conv1d_gn_mish", &conv1d_gn_mish_cuda);
   m.impl("conv1d", &conv1d_cuda);
+  m.impl("conv1d_gn_mish_shortcut", &conv1d_gn_mish_shortcut_cuda);
 }
 
 }  // namespace dpa

@@ -2,8 +2,9 @@
 // loads them. Implementations register per device in the op files (CPU in .cpp, CUDA in .cu);
 // fake implementations for torch.compile live in diffusion_policy_accelerated/ops.py.
 //
-// `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device, which
-// the CUDA kernels use to find the last block of each output tile and leave all zero again.
+// `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device (for
+// conv1d_gn_mish_shortcut >= out_channels + shortcut channels: the conv's, then the shortcut's),
+// which the CUDA kernels use to find the last block of each output tile and leave all zero again.
 // Passing one (ConditionalUnet1D keeps one per module) saves a memset per call; without it the
 // op allocates zeroed counters itself. A counters tensor must not serve two ops running at the
 // same time (on two streams).
@@ -21,6 +22,11 @@ TORCH_LIBRARY(dpa, m) {
   m.def(
       "conv1d(Tensor x, Tensor weight, Tensor? bias, int stride, int padding, bool transposed, "
       "*, Tensor? residual=None, Tensor? counters=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "conv1d_gn_mish_shortcut(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
+      "Tensor? gn_bias, int num_groups, float eps, Tensor shortcut_weight, "
+      "Tensor? shortcut_bias, *, Tensor? film=None, Tensor? counters=None) -> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "denoise_step(Tensor model_output, Tensor sample, Tensor? noise, Tensor table, int step, "

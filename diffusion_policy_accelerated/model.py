@@ -7,7 +7,9 @@ same actions. Nothing here depends on einops or on the Diffusion Policy reposito
 
 At inference time (nothing needs autograd) every convolution runs a fused op: each
 `Conv1dBlock` one `dpa::conv1d_gn_mish` (which also applies its residual block's FiLM or
-residual add), the down/upsampling, 1x1 residual and final convs `dpa::conv1d`. Training,
+residual add), or, for a residual block's first Conv1dBlock and its 1x1 shortcut conv, one
+`dpa::conv1d_gn_mish_shortcut` for both; the down/upsampling and final convs run
+`dpa::conv1d`. Training,
 autograd, float64 and devices without kernels take the plain PyTorch path, which computes
 the same function (`use_fused_ops = False` selects it for comparison).
 """
@@ -177,7 +179,8 @@ class Conv1dBlock(nn.Module):
 
     The parameters stay in `self.block` (an `nn.Sequential`) so checkpoint keys are
     `block.0.*` / `block.1.*` exactly as in Diffusion Policy. `forward` optionally applies
-    what the enclosing residual block does next (FiLM, a residual add), fused into the op.
+    what the enclosing residual block does next (FiLM, a residual add), fused into the op,
+    and can run the residual block's 1x1 shortcut conv of the same input in the same launch.
     """
 
     def __init__(self, inp_channels: int, out_channels: int, kernel_size: int, n_groups: int = 8):
@@ -187,7 +190,8 @@ class Conv1dBlock(nn.Module):
             nn.GroupNorm(n_groups, out_channels),
             nn.Mish(),
         )
-        _register_counters(self, out_channels)
+        # Room for a shortcut's tiles after this conv's (conv1d_gn_mish_shortcut).
+        _register_counters(self, 2 * out_channels)
 
     def _can_fuse(self, x: torch.Tensor, film: Optional[torch.Tensor],
                   residual: Optional[torch.Tensor]) -> bool:
@@ -201,10 +205,34 @@ class Conv1dBlock(nn.Module):
         return _fusable(self.use_fused_ops, x, conv.weight, conv.bias, norm.weight, norm.bias,
                         film, residual)
 
+    def _can_fuse_shortcut(self, x: torch.Tensor, film: Optional[torch.Tensor],
+                           shortcut: nn.Module) -> bool:
+        """Whether dpa::conv1d_gn_mish_shortcut computes this block and `shortcut` exactly."""
+        if not (isinstance(shortcut, nn.Conv1d) and _conv_fusable(shortcut)
+                and shortcut.kernel_size == (1,) and shortcut.stride == (1,) and shortcut.padding == (0,)
+                and shortcut.out_channels == self.block[0].out_channels):
+            return False
+        return self._can_fuse(x, film, None) and _fusable(self.use_fused_ops, x, shortcut.weight, shortcut.bias)
+
     def forward(self, x: torch.Tensor, film: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+                residual: Optional[torch.Tensor] = None, shortcut: Optional[nn.Module] = None
+                ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """x: [B, C_in, T] -> Mish(GroupNorm(Conv1d(x))), then FiLM with `film` ([B, 2 C_out]:
-        scale, bias; or [B, C_out]: bias) and `+ residual` ([B, C_out, T]) when given."""
+        scale, bias; or [B, C_out]: bias) and `+ residual` ([B, C_out, T]) when given.
+
+        With `shortcut` (the residual block's 1x1 conv of the same x) returns (that output,
+        shortcut(x)), from one dpa::conv1d_gn_mish_shortcut where it applies."""
+        if shortcut is not None:
+            if residual is None and self._can_fuse_shortcut(x, film, shortcut):
+                conv, norm = self.block[0], self.block[1]
+                return _ops().conv1d_gn_mish_shortcut(
+                    x, conv.weight, conv.bias, norm.weight, norm.bias, norm.num_groups, norm.eps,
+                    shortcut.weight, shortcut.bias, film=film, counters=_counters_for(self, x))
+            return self._block(x, film, residual), _run_conv(self, shortcut, x)
+        return self._block(x, film, residual)
+
+    def _block(self, x: torch.Tensor, film: Optional[torch.Tensor],
+               residual: Optional[torch.Tensor]) -> torch.Tensor:
         if self._can_fuse(x, film, residual):
             conv, norm = self.block[0], self.block[1]
             return _ops().conv1d_gn_mish(x, conv.weight, conv.bias, norm.weight, norm.bias,
@@ -249,11 +277,11 @@ class ConditionalResidualBlock1D(nn.Module):
         embed = self.cond_encoder(cond) if film is None else film
         # [B, 2C]: scale first, then bias (the channel layout of Diffusion Policy's
         # checkpoints); [B, C]: a bias. The first block applies it to its output.
-        out = self.blocks[0](x, film=embed.reshape(embed.shape[0], -1))
+        film = embed.reshape(embed.shape[0], -1)
         if isinstance(self.residual_conv, nn.Identity):
-            residual = x
+            out, residual = self.blocks[0](x, film=film), x
         else:
-            residual = _run_conv(self, self.residual_conv, x)
+            out, residual = self.blocks[0](x, film=film, shortcut=self.residual_conv)
         return self.blocks[1](out, residual=residual)
 
 
@@ -463,20 +491,26 @@ def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -
     `torch.device("meta")` answers instantly."""
     device = next(unet.parameters()).device
     calls = []
+    # A block given a shortcut returns (its output, the shortcut's).
     hooks = [block.register_forward_hook(lambda m, args, out: calls.append(
-        (args[0].shape[0], args[0].shape[1], out.shape[1], args[0].shape[2],
+        (args[0].shape[0], args[0].shape[1], m.block[0].out_channels, args[0].shape[2],
          m.block[0].kernel_size[0], m.block[1].num_groups)))
         for block in unet.modules() if isinstance(block, Conv1dBlock)]
     input_dim = unet.final_conv[1].out_channels
     global_dim = unet.mid_modules[0].cond_encoder[1].in_features - unet.diffusion_step_encoder[1].in_features
     local_dim = None if unet.local_cond_encoder is None else \
         unet.local_cond_encoder[0].blocks[0].block[0].in_channels
+    # On the plain path every Conv1dBlock runs as a module (the fused path calls some of them
+    # inside their residual block's op), so every hook fires.
+    fused = unet.use_fused_ops
+    unet.use_fused_ops = False
     try:
         with torch.no_grad():
             unet(torch.zeros(batch, horizon, input_dim, device=device), 0,
                  local_cond=None if local_dim is None else torch.zeros(batch, horizon, local_dim, device=device),
                  global_cond=torch.zeros(batch, global_dim, device=device) if global_dim else None)
     finally:
+        unet.use_fused_ops = fused
         for hook in hooks:
             hook.remove()
     return [tuple(int(v) for v in call) for call in calls]

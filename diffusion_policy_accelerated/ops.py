@@ -4,7 +4,7 @@ The C++ side validates every argument and raises `ValueError` / `TypeError` /
 `RuntimeError` with the argument's name; the wrappers here only translate
 keyword-friendly Python arguments (strings, None) into the op schemas.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -75,6 +75,26 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                                 residual=residual, counters=counters)
 
 
+def conv1d_gn_mish_shortcut(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+                            num_groups: int, eps: float, shortcut_weight: torch.Tensor,
+                            shortcut_bias: Optional[torch.Tensor] = None, *,
+                            film: Optional[torch.Tensor] = None,
+                            counters: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`(conv1d_gn_mish(x, weight, ..., film=film), conv1d(x, shortcut_weight, shortcut_bias))`
+    in one op: the first Conv1dBlock of a residual block whose channel count changes and the
+    block's 1x1 shortcut conv, which read the same x. On the CUDA streaming path (batch x
+    length < 32) both weights stream in one launch, saving the shortcut's launch, input
+    round trip and finishing pass.
+
+    shortcut_weight: [C_s, C_in, 1]; shortcut_bias: [C_s] or None. `counters` (CUDA;
+    optional): int32 zeros, at least C_out + C_s of them (see `conv1d`).
+    """
+    return torch.ops.dpa.conv1d_gn_mish_shortcut(x, weight, bias, gn_weight, gn_bias, int(num_groups),
+                                                 float(eps), shortcut_weight, shortcut_bias, film=film,
+                                                 counters=counters)
+
+
 def _enum(value, table, what):
     if isinstance(value, int) and value in table.values():
         return value
@@ -120,6 +140,15 @@ def _conv1d_fake(x, weight, bias, stride, padding, transposed, *, residual=None,
     else:
         out_channels, length = weight.shape[0], (x.shape[2] + 2 * padding - k) // stride + 1
     return x.new_empty((x.shape[0], out_channels, length))
+
+
+@torch.library.register_fake("dpa::conv1d_gn_mish_shortcut")
+def _conv1d_gn_mish_shortcut_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight,
+                                  shortcut_bias, *, film=None, counters=None):
+    out = _conv1d_gn_mish_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film)
+    torch._check(shortcut_weight.dim() == 3,
+                 lambda: "conv1d_gn_mish_shortcut: shortcut_weight must be [C_s, C_in, 1]")
+    return out, x.new_empty((x.shape[0], shortcut_weight.shape[0], x.shape[2]))
 
 
 @torch.library.register_fake("dpa::denoise_step")

@@ -162,6 +162,16 @@ def fused_conv1d_cost(x: Shape, weight: Shape, dtype: torch.dtype, *, bias: bool
     return flops + extra_flops, nbytes + extra_bytes
 
 
+def conv1d_gn_mish_shortcut_cost(x: Shape, weight: Shape, shortcut_weight: Shape, dtype: torch.dtype, *,
+                                 bias: bool = True, affine: bool = True, shortcut_bias: bool = True,
+                                 film: Optional[Shape] = None) -> Cost:
+    """dpa::conv1d_gn_mish_shortcut: conv1d_gn_mish and a 1x1 conv of the same x, which is
+    read once."""
+    flops, nbytes = conv1d_gn_mish_cost(x, weight, dtype, bias=bias, affine=affine, film=film)
+    shortcut_flops, shortcut_bytes = fused_conv1d_cost(x, shortcut_weight, dtype, bias=shortcut_bias)
+    return flops + shortcut_flops, nbytes + shortcut_bytes - _nbytes(dtype, x)
+
+
 def denoise_step_cost(sample: Shape, dtype: torch.dtype, *, scheduler: str, prediction_type: str,
                       clip: bool, use_clipped_model_output: bool = False,
                       noise: bool = False) -> Cost:
@@ -272,6 +282,9 @@ OP_COSTS: Dict[str, Callable[[OpInputs], Cost]] = {
     "dpa::conv1d": lambda c: fused_conv1d_cost(
         c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), stride=c.scalar(3),
         padding=c.scalar(4), transposed=c.scalar(5), residual=c.tensor(6) is not None),
+    "dpa::conv1d_gn_mish_shortcut": lambda c: conv1d_gn_mish_shortcut_cost(
+        c.tensor(0), c.tensor(1), c.tensor(7), c.dtype, bias=c.given(2), affine=c.given(3),
+        shortcut_bias=c.given(8), film=c.tensor(9)),
     "dpa::denoise_step": _denoise_step,
 }
 

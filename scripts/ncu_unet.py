@@ -21,8 +21,8 @@ import torch
 from benchmark import HORIZON, UNETS
 
 from diffusion_policy_accelerated import ConditionalUnet1D, ops
-from diffusion_policy_accelerated.profiling import (conv1d_gn_mish_cost, copy_bandwidth_gbs,
-                                                    fused_conv1d_cost)
+from diffusion_policy_accelerated.profiling import (conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost,
+                                                    copy_bandwidth_gbs, fused_conv1d_cost)
 
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
 
@@ -36,7 +36,7 @@ def forward_and_record(unet_name, batch):
     sample = torch.randn(batch, HORIZON, config["input_dim"], device="cuda")
     cond = torch.randn(batch, config["global_cond_dim"], device="cuda")
     calls = []
-    fused, plain = ops.conv1d_gn_mish, ops.conv1d
+    fused, plain, paired = ops.conv1d_gn_mish, ops.conv1d, ops.conv1d_gn_mish_shortcut
 
     def recording_fused(x, weight, bias, gn_weight, gn_bias, num_groups, eps=1e-5, **kw):
         _, nbytes = conv1d_gn_mish_cost(tuple(x.shape), tuple(weight.shape), x.dtype, bias=bias is not None,
@@ -56,13 +56,22 @@ def forward_and_record(unet_name, batch):
         calls.append((f"{kind} {x.shape[1]}->{out_channels} k{weight.shape[2]} L{x.shape[2]}", nbytes))
         return plain(x, weight, bias, stride, padding, **kw)
 
-    ops.conv1d_gn_mish, ops.conv1d = recording_fused, recording_plain
+    def recording_paired(x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight,
+                         shortcut_bias=None, **kw):
+        _, nbytes = conv1d_gn_mish_shortcut_cost(
+            tuple(x.shape), tuple(weight.shape), tuple(shortcut_weight.shape), x.dtype, bias=bias is not None,
+            affine=gn_weight is not None, shortcut_bias=shortcut_bias is not None,
+            film=None if kw.get("film") is None else tuple(kw["film"].shape))
+        calls.append((f"conv1d_gn_mish_shortcut {x.shape[1]}->{weight.shape[0]} L{x.shape[2]}", nbytes))
+        return paired(x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, **kw)
+
+    ops.conv1d_gn_mish, ops.conv1d, ops.conv1d_gn_mish_shortcut = recording_fused, recording_plain, recording_paired
     with torch.inference_mode():
         for _ in range(2):
             calls.clear()
             unet(sample, 0, global_cond=cond)
     torch.cuda.synchronize()
-    ops.conv1d_gn_mish, ops.conv1d = fused, plain
+    ops.conv1d_gn_mish, ops.conv1d, ops.conv1d_gn_mish_shortcut = fused, plain, paired
     return calls
 
 

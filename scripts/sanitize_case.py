@@ -1,7 +1,8 @@
 """A small workload for `compute-sanitizer --tool memcheck`: a small U-Net forward through the
 fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups split across
 blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
-transposed convs, FiLM and residual epilogues, caller-owned counters) and denoise steps."""
+transposed convs, FiLM and residual epilogues, caller-owned counters, a conv and its 1x1
+shortcut in one launch or, misaligned, two) and denoise steps."""
 import torch
 
 from diffusion_policy_accelerated import ops
@@ -29,6 +30,16 @@ def main():
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, film=film,
                                                  residual=residual)).all()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    for batch, cin, cout, length, misaligned in [(1, 2, 256, 16, False), (3, 256, 512, 8, False),
+                                                 (1, 2048, 512, 4, False), (2, 7, 6, 3, False),
+                                                 (1, 512, 1024, 4, True)]:
+        x = torch.randn(batch, cin, length, device="cuda")
+        w = torch.randn(cout, cin, 5, device="cuda")
+        shortcut = torch.randn(cout * cin + misaligned, device="cuda")[int(misaligned):].view(cout, cin, 1)
+        outs = ops.conv1d_gn_mish_shortcut(x, w, None, None, None, 2, 1e-5, shortcut,
+                                           torch.randn(cout, device="cuda"),
+                                           film=torch.randn(batch, 2 * cout, device="cuda"), counters=counters)
+        assert all(torch.isfinite(out).all() for out in outs)
     for batch, cin, cout, length, k, stride, padding, transposed in [
             (1, 512, 512, 16, 3, 2, 1, False), (3, 7, 5, 9, 4, 3, 2, False), (1, 6, 9, 10, 7, 2, 0, False),
             (1, 512, 512, 4, 4, 2, 1, True), (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True),

@@ -200,11 +200,13 @@ def test_up_path_local_cond_is_unused_like_diffusion_policy():
 # --------------------------------------------------------------------------------------
 
 class FakeOps:
-    """Computes the fused ops with PyTorch and counts calls (conv1d_gn_mish in `calls`)."""
+    """Computes the fused ops with PyTorch and counts calls (conv1d_gn_mish in `calls`; a
+    conv1d_gn_mish_shortcut counts as one of each, and in `shortcut_calls`)."""
 
     def __init__(self):
         self.calls = 0
         self.conv_calls = 0
+        self.shortcut_calls = 0
 
     def built_with_cuda(self):
         return False
@@ -223,6 +225,12 @@ class FakeOps:
         self.conv_calls += 1
         y = (F.conv_transpose1d if transposed else F.conv1d)(x, weight, bias, stride, padding)
         return y if residual is None else y + residual
+
+    def conv1d_gn_mish_shortcut(self, x, weight, bias, gn_weight, gn_bias, num_groups, eps,
+                                shortcut_weight, shortcut_bias, *, film=None, counters=None):
+        self.shortcut_calls += 1
+        return (self.conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film),
+                self.conv1d(x, shortcut_weight, shortcut_bias, 1, 0, transposed=False))
 
 
 def n_plain_convs(model):
@@ -252,6 +260,9 @@ def test_fused_dispatch(fake_ops):
     with torch.no_grad():
         fused = ours(sample, timestep, **kw)
     assert fake_ops.calls == n and fake_ops.conv_calls == n_plain_convs(ours)
+    # Every residual block with a 1x1 shortcut runs it with its first conv.
+    assert fake_ops.shortcut_calls == sum(isinstance(m, torch.nn.Conv1d) for name, m in ours.named_modules()
+                                          if name.endswith("residual_conv")) > 0
     with torch.inference_mode():
         ours(sample, timestep, **kw)
     assert fake_ops.calls == 2 * n and fake_ops.conv_calls == 2 * n_plain_convs(ours)
@@ -322,16 +333,20 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture
 def counted_ops(monkeypatch):
-    """The real ops module with conv1d_gn_mish wrapped to count calls (proves fusion ran)."""
+    """The real ops module with the ops that run a Conv1dBlock (conv1d_gn_mish, and
+    conv1d_gn_mish_shortcut for a residual block's first) wrapped to count their calls (proves
+    fusion ran)."""
     ops = model_mod._ops()
-    real = ops.conv1d_gn_mish
     counter = {"calls": 0}
 
-    def counting(*args, **kwargs):
-        counter["calls"] += 1
-        return real(*args, **kwargs)
+    def counting(real):
+        def call(*args, **kwargs):
+            counter["calls"] += 1
+            return real(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(ops, "conv1d_gn_mish", counting)
+    monkeypatch.setattr(ops, "conv1d_gn_mish", counting(ops.conv1d_gn_mish))
+    monkeypatch.setattr(ops, "conv1d_gn_mish_shortcut", counting(ops.conv1d_gn_mish_shortcut))
     return counter
 
 

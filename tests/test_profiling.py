@@ -15,6 +15,7 @@ from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
 from diffusion_policy_accelerated.profiling import (
     ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, cat_cost, conv1d_cost, conv1d_gn_mish_cost,
+    conv1d_gn_mish_shortcut_cost,
     conv_transpose1d_cost, denoise_step_cost, elementwise_cost, format_gpu_split, fused_conv1d_cost,
     group_norm_cost,
     layer_names, layer_of, linear_cost, matmul_cost, mish_cost, parse_trace, record_trace, roofline_op)
@@ -60,6 +61,9 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 16), residual=True), (7040, 2080)),
     # FiLM [1, 8] is a bias only: 6656 + 128; bytes 1504 + 4 * 8 = 1536.
     (conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 8)), (6784, 1536)),
+    # conv1d_gn_mish (6656, 1504 above) + a 1x1 conv of the same x to 6 channels: 2*96*4 + 96
+    # = 864 FLOPs; bytes 4 * (24 + 6 + 96) = 504, x being read once -> (7520, 2008).
+    (conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32), (7520, 2008)),
     # dpa::conv1d = the conv's cost (first case above: 1500, 872) + a residual [2, 6, 5]:
     # 60 FLOPs and 4 * 60 bytes.
     (fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True), (1560, 1112)),
@@ -123,6 +127,12 @@ def test_formulas_read_the_recorded_arguments(tmp_path):
                                        residual=torch.ones(1, 8, 16)),
             "dpa::conv1d_gn_mish",
             conv1d_gn_mish_cost((1, 4, 16), (8, 4, 5), F32, film=(1, 16), residual=True)),
+        "fused shortcut": (
+            lambda: ops.conv1d_gn_mish_shortcut(gx, gw, gb, gb, gb, 2, 1e-5, torch.ones(6, 4, 1), None,
+                                                film=torch.ones(1, 16)),
+            "dpa::conv1d_gn_mish_shortcut",
+            conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32, shortcut_bias=False,
+                                         film=(1, 16))),
         "fused conv": (lambda: ops.conv1d(x, w, b, 2, 1, residual=torch.ones(2, 6, 5)), "dpa::conv1d",
                        fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True)),
         "fused conv transposed": (lambda: ops.conv1d(x8, wt, None, 2, 1, transposed=True), "dpa::conv1d",
@@ -184,8 +194,11 @@ def test_trace_ops_carry_their_module(tmp_path, fused):
     ranges = {e.name for e in events if e.kind == "range"}
     assert blocks <= ranges
     if fused:
-        layers = [layer_of(e) for e in events if e.name == "dpa::conv1d_gn_mish"]
+        # A residual block's first conv runs with its 1x1 shortcut where it has one.
+        layers = [layer_of(e) for e in events
+                  if e.name in ("dpa::conv1d_gn_mish", "dpa::conv1d_gn_mish_shortcut")]
         assert sorted(layers) == sorted(blocks)
+        assert any(e.name == "dpa::conv1d_gn_mish_shortcut" for e in events)
     else:
         norms = [layer_of(e) for e in events if e.name == "aten::group_norm"]
         assert sorted(norms) == sorted(f"{b}.norm" for b in blocks)

@@ -1,0 +1,175 @@
+"""conv1d_gn_mish_shortcut (a residual block's first Conv1dBlock with FiLM, and its 1x1
+shortcut conv of the same input) against float64 PyTorch references, on CPU and (where
+present) CUDA. Both outputs use conv1d_gn_mish's per-dtype tolerances (test_conv1d_gn_mish):
+the shortcut is a plain conv with fp32 accumulation, well inside them."""
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffusion_policy_accelerated import ops
+from conftest import DEVICES, poison_allocator
+from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
+
+# (batch, in_channels, out_channels, length, kernel_size, groups) of the residual blocks that
+# change the channel count: lowdim U-Net (action dim 2), image U-Net (action dim 10), at
+# horizon 16, then other batches and odd sizes.
+UNET_SHAPES = [
+    (1, 2, 256, 16, 5, 8), (1, 256, 512, 8, 5, 8), (1, 512, 1024, 4, 5, 8), (1, 2048, 512, 4, 5, 8),
+    (1, 1024, 256, 8, 5, 8), (1, 10, 512, 16, 5, 8), (1, 512, 1024, 8, 5, 8), (1, 1024, 2048, 4, 5, 8),
+    (1, 4096, 1024, 4, 5, 8), (1, 2048, 512, 8, 5, 8),
+]
+OTHER_SHAPES = [
+    (3, 256, 512, 8, 5, 8), (2, 1024, 256, 8, 5, 8), (7, 512, 1024, 4, 5, 8), (3, 7, 6, 3, 3, 3),
+    (2, 5, 64, 9, 5, 16), (1, 33, 40, 5, 7, 5), (3, 4, 8, 2, 3, 4), (1, 1, 3, 1, 1, 1),
+]
+
+
+def shortcut_reference(x, weight, bias):
+    d = lambda t: None if t is None else t.detach().double().cpu()
+    return F.conv1d(d(x), d(weight), d(bias))
+
+
+def make_shortcut(shape, dtype, device, generator, channels=None):
+    _, cin, cout, _, _, _ = shape
+    channels = cout if channels is None else channels
+    weight = (torch.randn(channels, cin, 1, generator=generator) * cin ** -0.5).to(device, dtype)
+    return weight, (torch.randn(channels, generator=generator) * 0.1).to(device, dtype)
+
+
+def check(shape, dtype, device, film_layout="scale+bias", shortcut_channels=None, counters=None,
+          shortcut=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
+    ws, bs = make_shortcut(shape, dtype, device, g, shortcut_channels) if shortcut is None else shortcut
+    film, _ = film_and_residual(shape, dtype, device, g, film_layout)
+    batch, _, cout, length, _, groups = shape
+    poison_allocator(device, batch * max(cout, ws.shape[0]) * length, dtype)
+    out, short = ops.conv1d_gn_mish_shortcut(x, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film,
+                                             counters=counters)
+    assert out.shape == (batch, cout, length) and short.shape == (batch, ws.shape[0], length)
+    assert out.dtype == short.dtype == dtype and out.device == short.device == x.device
+    assert not out.isnan().any() and not short.isnan().any(), "unwritten (poisoned) or NaN outputs"
+    torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film),
+                               **TOLERANCES[dtype])
+    torch.testing.assert_close(short.cpu().double(), shortcut_reference(x, ws, bs), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", UNET_SHAPES + OTHER_SHAPES, ids=str)
+def test_matches_float64_reference(shape, dtype, device):
+    check(shape, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("film_layout", FILM_LAYOUTS)
+def test_film_layouts_and_other_shortcut_widths(film_layout, device):
+    for channels in (256, 3, 517):
+        check((2, 64, 256, 8, 5, 8), torch.float32, device, film_layout, shortcut_channels=channels)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counters_are_left_zero_and_reusable(device):
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    for seed, shape in enumerate([(1, 256, 512, 8, 5, 8), (1, 2048, 512, 4, 5, 8), (1, 2, 256, 16, 5, 8)]):
+        for _ in range(2):
+            check(shape, torch.float32, device, counters=counters, seed=seed)
+            assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_misaligned_shortcut_weight_takes_two_launches(dtype):
+    """A shortcut weight 16-byte misaligned cannot use the vector loads the first conv's can:
+    the op then launches the two kernels separately, with the same results."""
+    shape = (1, 512, 1024, 4, 5, 8)
+    g = torch.Generator().manual_seed(5)
+    ws, bs = make_shortcut(shape, dtype, "cuda", g)
+    storage = torch.empty(ws.numel() + 1, dtype=dtype, device="cuda")
+    misaligned = storage[1:].view_as(ws).copy_(ws)
+    assert misaligned.data_ptr() % 16 != 0 and misaligned.is_contiguous()
+    check(shape, dtype, "cuda", shortcut=(misaligned, bs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
+def test_both_cuda_routes(route, threshold):
+    default = ops.set_gemm_path_min_positions(threshold)
+    try:
+        for shape in [(1, 256, 512, 8, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8)]:
+            check(shape, torch.float32, "cuda")
+    finally:
+        ops.set_gemm_path_min_positions(default)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    g = torch.Generator().manual_seed(6)
+    for shape in [(1, 8, 16, 16, 5, 8), (3, 5, 6, 3, 3, 3)]:
+        x, w, b, gamma, beta = make_inputs(shape, torch.float32, device, g)
+        ws, bs = make_shortcut(shape, torch.float32, device, g)
+        film, _ = film_and_residual(shape, torch.float32, device, g, "scale+bias")
+        torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish_shortcut.default,
+                              (x, w, b, gamma, beta, shape[5], 1e-5, ws, bs), dict(film=film))
+    torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish_shortcut.default,
+                          (x, w, None, None, None, shape[5], 1e-5, ws, None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile(device):
+    g = torch.Generator().manual_seed(7)
+    shape = (2, 8, 16, 16, 5, 8)
+    x, w, b, gamma, beta = make_inputs(shape, torch.float32, device, g)
+    ws, bs = make_shortcut(shape, torch.float32, device, g)
+
+    def block(*args):
+        out, short = ops.conv1d_gn_mish_shortcut(*args)
+        return out + short
+
+    args = (x, w, b, gamma, beta, 8, 1e-5, ws, bs)
+    torch.testing.assert_close(torch.compile(block, fullgraph=True)(*args), block(*args))
+
+
+def good_args(device="cpu"):
+    g = torch.Generator().manual_seed(8)
+    x, w, b, gamma, beta = make_inputs((2, 4, 8, 6, 3, 4), torch.float32, device, g)
+    ws, bs = make_shortcut((2, 4, 8, 6, 3, 4), torch.float32, device, g)
+    return dict(x=x, weight=w, bias=b, gn_weight=gamma, gn_bias=beta, num_groups=4, eps=1e-5,
+                shortcut_weight=ws, shortcut_bias=bs)
+
+
+BAD_INPUTS = [
+    # (what to change, expected exception, text the message must contain)
+    (dict(shortcut_weight=torch.randn(8, 4, 3)), ValueError, "shortcut_weight must be [shortcut_channels, 4, 1]"),
+    (dict(shortcut_weight=torch.randn(8, 5, 1)), ValueError, "shortcut_weight must be [shortcut_channels, 4, 1]"),
+    (dict(shortcut_weight=torch.randn(0, 4, 1)), ValueError, "shortcut_weight must be"),
+    (dict(shortcut_weight=torch.randn(8, 4)), ValueError, "shortcut_weight must be 3-D"),
+    (dict(shortcut_weight=torch.randn(8, 4, 1, dtype=torch.float16)), TypeError, "shortcut_weight has dtype"),
+    (dict(shortcut_bias=torch.randn(7)), ValueError, "shortcut_bias must have shape [8]"),
+    (dict(weight=torch.randn(8, 5, 3)), ValueError, "conv1d_gn_mish_shortcut: weight has in_channels 5"),
+    (dict(num_groups=3), ValueError, "num_groups must be >= 1 and divide"),
+    (dict(film=torch.randn(2, 7)), ValueError, "film must be [2, 8] (a bias) or [2, 16]"),
+    (dict(counters=torch.zeros(15, dtype=torch.int32)), ValueError, "at least out_channels (16)"),
+    (dict(counters=torch.zeros(16)), TypeError, "counters must be int32"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_input_raises(change, error, text, device):
+    args = good_args(device)
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    with pytest.raises(error, match=re.escape(text)):
+        ops.conv1d_gn_mish_shortcut(**args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["x", "weight", "shortcut_weight", "shortcut_bias", "film", "counters"])
+def test_mixed_devices_raise(name):
+    args = good_args("cuda")
+    args.update(film=torch.randn(2, 16, device="cuda"), counters=torch.zeros(16, dtype=torch.int32, device="cuda"))
+    args[name] = args[name].cpu()
+    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
+        ops.conv1d_gn_mish_shortcut(**args)
