@@ -9,9 +9,9 @@ At inference time (nothing needs autograd) every convolution runs a fused op: ea
 `Conv1dBlock` one `dpa::conv1d_gn_mish` (which also applies its residual block's FiLM or
 residual add), or, for a residual block's first Conv1dBlock and its 1x1 shortcut conv, one
 `dpa::conv1d_gn_mish_shortcut` for both; the down/upsampling and final convs run
-`dpa::conv1d`. Training,
-autograd, float64 and devices without kernels take the plain PyTorch path, which computes
-the same function (`use_fused_ops = False` selects it for comparison).
+`dpa::conv1d`. Training, autograd, float64 and devices without kernels take the plain
+PyTorch path, which computes the same function (`use_fused_ops = False` selects it for
+comparison).
 """
 import math
 from typing import Dict, List, Optional, Sequence, Tuple, Union
