@@ -15,7 +15,9 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 
 namespace dpa {
@@ -74,6 +76,40 @@ extern std::atomic<int64_t> gemm_path_min_positions;
 // Programmatic dependent launch (Hopper+): each streaming kernel starts loading its weights
 // while the kernel before it finishes. Switchable for measurement (ops.set_pdl).
 extern std::atomic<bool> use_pdl;
+// Variants of StreamProgram for measurement (ops.set_program_options), a bit mask:
+// kProgramRelaxedPoll: stages wait by relaxed polling with back-off (read at run());
+// kProgramNoPrefetch: no L2 prefetch of a block's weights while it waits (read at end()).
+constexpr int kProgramRelaxedPoll = 1;
+constexpr int kProgramNoPrefetch = 2;
+extern std::atomic<int> program_options;
+
+// A recorded sequence of the ops' streaming launches (a U-Net forward at a small batch),
+// replayed as one persistent kernel: run() launches it on the current stream, so it can be
+// captured in a CUDA graph. Between begin() and end(), conv1d_gn_mish, conv1d and
+// conv1d_gn_mish_shortcut calls on this thread return their (unwritten) outputs and add a
+// stage instead of launching. Every stage must read tensors that an earlier stage writes,
+// that were declared with add_input (their contents at run time are used), or a
+// concatenation declared with concat; otherwise, or where an op would not take its
+// streaming route, the recording fails and failure() says why. The program keeps every
+// tensor it reads or writes alive; weights must not be modified in a way that moves them.
+class StreamProgram {
+ public:
+  struct Impl;
+  StreamProgram();
+  void begin();
+  void add_input(const at::Tensor& t);
+  // `placeholder` (a contiguous [B, C1 + C2, L] tensor that is never written) stands for
+  // cat([first, second], dim=1) wherever a later stage reads it as its input.
+  void concat(const at::Tensor& placeholder, const at::Tensor& first, const at::Tensor& second);
+  void end();
+  bool produced(const at::Tensor& t) const;  // whether a stage writes t (its first element)
+  void run() const;
+  int64_t num_stages() const;
+  std::string failure() const;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
 #endif
 
 }  // namespace dpa

@@ -38,6 +38,8 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "checks.h"
 #include "conv1d.h"
@@ -46,6 +48,7 @@ namespace dpa {
 
 std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
 std::atomic<bool> use_pdl{true};
+std::atomic<int> program_options{0};
 
 namespace {
 
@@ -71,6 +74,11 @@ constexpr int kStats = 64;
 struct StreamArgs {
   const void* x;  // [B, C_in, L_in], any strides (elements)
   int64_t x_sb, x_sc, x_sl;
+  // Channels from x_split on come from x2 (a concatenation read in place; a program's
+  // up-path blocks): x_split = C_in and x2 unused otherwise.
+  const void* x2;
+  int64_t x2_sb, x2_sc, x2_sl;
+  int x_split;
   const void* weight;
   const void* bias;
   const void* gn_weight;
@@ -81,6 +89,7 @@ struct StreamArgs {
   void* out;             // [B, C_out, L_out]
   float* ws;             // [splits, m, nt] partial sums
   int* counters;         // one per output tile, zero on entry and on exit
+  int* done;             // a program's count of finished output tiles of this stage, or null
   int batch, cout, lin, lout, ksize, stride, pad;
   int positions;  // GEMM N: batch * L_out (conv) or batch * L_in (transposed)
   int nt;         // positions rounded up to the kernel's tile (workspace row stride)
@@ -151,6 +160,7 @@ template <typename T>
 __device__ __forceinline__ float load_float(const void* base, int64_t i) {
   return static_cast<float>(static_cast<const T*>(base)[i]);
 }
+
 
 __device__ __forceinline__ float mish(float v) {
   // The formula PyTorch's own Mish kernel uses.
@@ -429,9 +439,28 @@ __device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float
       finish_conv_tile<T>(a, finish_units[i], shared, shared_floats, scratch, stats);
     }
     __syncthreads();
-    if (threadIdx.x == 0) a.counters[finish_units[i]] = 0;  // ready for the next launch
+    if (threadIdx.x == 0) {
+      a.counters[finish_units[i]] = 0;  // ready for the next launch
+      if (a.done) {
+        __threadfence();  // the tile's outputs (every thread's, ordered by the barrier)
+        atomicAdd(a.done, 1);
+      }
+    }
   }
 }
+
+// Weight rows per warp of the Conv1d-layout kernel: about 32 accumulators, and 16 fp32
+// weights per lane per request (half types carry 8 per 16-byte load, so fewer rows keep the
+// registers in bounds).
+template <typename T, int NT>
+constexpr int conv_rows() {
+  return std::max(1, (NT <= 8 ? 4 : NT == 16 ? 2 : 1) * 4 / static_cast<int>(16 / sizeof(T)));
+}
+
+// Vector width (elements) of the transposed kernel's weight loads: 16 bytes, or fewer where
+// that would take more than 64 accumulators.
+template <typename T, int NT>
+constexpr int transposed_vector() { return std::min<int>(16 / sizeof(T), 64 / NT); }
 
 // Shared-memory position of reduction element `el` of a block's slice, chosen so that each
 // lane's EPL consecutive elements sit at lane * 4 (+ 128 for elements 4..7): every lane's
@@ -448,24 +477,26 @@ __device__ __forceinline__ int staged_position(int el) {
 // Conv1d layout: block = (row tile of kWarps * R output channels, reduction slice). Warp w
 // streams rows w*R .. w*R+R-1 of the tile; each lane reads EPL consecutive weights of each
 // row per request. NT: positions (batch x length), padded; EPL: weights per lane per load.
-// `tile`: the block's row tile (blockIdx.x, or its place among one problem's tiles when a
-// launch serves two).
-template <typename T, int NT, int R, int EPL>
-__device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) {
+// The block's work: row tile `tile`, reduction slice `split`, position tile `n_tile` (its
+// blockIdx in a launch of its own). `wait()` returns once the input may be read: called by
+// every thread, after the weight loads are issued.
+template <typename T, int NT, int R, int EPL, int DEPTH = kDepth, typename Wait>
+__device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, int split,
+                                                 int n_tile, const Wait& wait) {
   extern __shared__ float4 shared_f4[];
   float* staged = reinterpret_cast<float*>(shared_f4);  // [NT][split_len], see staged_position
   constexpr int kChunk = 32 * EPL;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int tile_lo = tile * kWarps * R;
   const int row0 = tile_lo + warp * R;
-  const int n0 = blockIdx.z * NT;
-  const int e_begin = blockIdx.y * a.split_len;
+  const int n0 = n_tile * NT;
+  const int e_begin = split * a.split_len;
   const int e_end = min(e_begin + a.split_len, a.red);
   const int chunks = (e_end - e_begin + kChunk - 1) / kChunk;
   const T* weight = static_cast<const T*>(a.weight);
 
   // Rows past the end are never loaded; their sums stay garbage and are never written.
-  Pack<T, EPL> w[kDepth][R];
+  Pack<T, EPL> w[DEPTH][R];
   const auto load_chunk = [&](int d, int chunk) {
     const int e = e_begin + chunk * kChunk + lane * EPL;
     if (chunk < chunks && e < e_end) {
@@ -476,10 +507,10 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) 
     }
   };
 #pragma unroll
-  for (int d = 0; d < kDepth; ++d) load_chunk(d, d);
+  for (int d = 0; d < DEPTH; ++d) load_chunk(d, d);
   if (a.prefetch) {
     // The rest of this block's weights: on their way to L2 while the previous kernel ends.
-    const int64_t first = e_begin + kDepth * kChunk;
+    const int64_t first = e_begin + DEPTH * kChunk;
     const int64_t bytes = (e_end - first) * static_cast<int64_t>(sizeof(T));
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -490,32 +521,38 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) 
     }
   }
   allow_dependents();
-  wait_for_producer();  // the input comes from the previous kernel
+  wait();  // the input comes from the previous kernel (or stage)
 
   // Stage the block's im2col slice. Each thread takes reduction columns (one (channel, tap)
   // each: one division) and loads that column at all NT positions at once, so it waits for one
-  // round trip per column; the positions' offsets into x are worked out once per block.
-  __shared__ int64_t position_offset[NT];
+  // round trip per column; the positions' offsets into x (and x2) are worked out once per
+  // block. Plain loads: a tap's neighbours hit L1, and a program's wait for the previous
+  // stage is an acquire, which leaves no stale line in it.
+  __shared__ int64_t position_offset[2][NT];
   __shared__ int position_start[NT];
   if (threadIdx.x < NT) {
     const int n = n0 + threadIdx.x;
     const int b = n / a.lout, l = n - b * a.lout;
-    position_offset[threadIdx.x] = b * a.x_sb;
+    position_offset[0][threadIdx.x] = b * a.x_sb;
+    position_offset[1][threadIdx.x] = b * a.x2_sb;
     // Past the last position: an input index no tap reaches, so the column reads zeros.
     position_start[threadIdx.x] = n < a.positions ? l * a.stride - a.pad : -(a.ksize + a.lin);
   }
   __syncthreads();
   const int len = e_end - e_begin;
-  const T* x = static_cast<const T*>(a.x);
   for (int el = threadIdx.x; el < len; el += kThreads) {
     const int e = e_begin + el;
     const int c = e / a.ksize, k = e - c * a.ksize;
-    const T* column = x + c * a.x_sc;
+    const bool second = c >= a.x_split;
+    const T* column = second ? static_cast<const T*>(a.x2) + (c - a.x_split) * a.x2_sc
+                             : static_cast<const T*>(a.x) + c * a.x_sc;
+    const int64_t* offset = position_offset[second];
+    const int64_t sl = second ? a.x2_sl : a.x_sl;
     float v[NT];
 #pragma unroll
     for (int n = 0; n < NT; ++n) {
       const int pos = position_start[n] + k;
-      v[n] = pos >= 0 && pos < a.lin ? static_cast<float>(column[position_offset[n] + pos * a.x_sl]) : 0.f;
+      v[n] = pos >= 0 && pos < a.lin ? static_cast<float>(column[offset[n] + pos * sl]) : 0.f;
     }
     const int slot = staged_position<EPL>(el);
 #pragma unroll
@@ -526,9 +563,9 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) 
   float acc[R * NT];
 #pragma unroll
   for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
-  for (int chunk0 = 0; chunk0 < chunks; chunk0 += kDepth) {
+  for (int chunk0 = 0; chunk0 < chunks; chunk0 += DEPTH) {
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) {
+    for (int d = 0; d < DEPTH; ++d) {
       const int chunk = chunk0 + d;
       if (chunk < chunks && e_begin + chunk * kChunk + lane * EPL < e_end) {
         float wf[R][EPL];
@@ -559,7 +596,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) 
             for (int v = 0; v < EPL; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
         }
       }
-      load_chunk(d, chunk + kDepth);
+      load_chunk(d, chunk + DEPTH);
     }
   }
 
@@ -574,15 +611,20 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile) 
     for (int j = 0; j < kOwned; ++j) {
       const int r = (base + j) / NT, n = (base + j) % NT;
       if (row0 + r < a.m)
-        a.ws[(static_cast<int64_t>(blockIdx.y) * a.m + row0 + r) * a.nt + n0 + n] = acc[j];
+        a.ws[(static_cast<int64_t>(split) * a.m + row0 + r) * a.nt + n0 + n] = acc[j];
     }
   }
   arrive_and_finish<T, false>(a, tile_lo, min(tile_lo + kWarps * R, a.m), staged, NT * a.split_len);
 }
 
+// A kernel of its own waits for the kernel before it (programmatic dependent launch).
+struct WaitForProducer {
+  __device__ void operator()() const { wait_for_producer(); }
+};
+
 template <typename T, int NT, int R, int EPL>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) stream_conv_kernel(const StreamArgs a) {
-  stream_conv_tile<T, NT, R, EPL>(a, blockIdx.x);
+  stream_conv_tile<T, NT, R, EPL>(a, blockIdx.x, blockIdx.y, blockIdx.z, WaitForProducer{});
 }
 
 // Two convs of the same input in one launch, so that the second costs no launch, no input
@@ -604,7 +646,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
         reinterpret_cast<const int*>(first ? &a : &b)[threadIdx.x];
   }
   __syncthreads();
-  stream_conv_tile<T, NT, R, EPL>(problem, first ? blockIdx.x : blockIdx.x - a_tiles);
+  stream_conv_tile<T, NT, R, EPL>(problem, first ? blockIdx.x : blockIdx.x - a_tiles, blockIdx.y,
+                                  blockIdx.z, WaitForProducer{});
 }
 
 // ---------------------------------------------------------------------------------------
@@ -612,18 +655,18 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // streams W's rows whole: block = (32 * EPL columns, a slice of input channels); lane owns
 // EPL consecutive columns, warps take every kWarps-th input channel of the slice and are
 // summed in shared memory at the end. The finishing block folds taps into positions.
-template <typename T, int NT, int EPL>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    stream_conv_transposed_kernel(const StreamArgs a) {
+template <typename T, int NT, int EPL, typename Wait>
+__device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int tile, int split,
+                                                       int n_tile, const Wait& wait) {
   extern __shared__ float4 shared_f4[];
   float* shared = reinterpret_cast<float*>(shared_f4);
   constexpr int V = EPL * NT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile_lo = blockIdx.x * 32 * EPL;
+  const int tile_lo = tile * 32 * EPL;
   const int col = tile_lo + lane * EPL;
-  const int n0 = blockIdx.z * NT;
+  const int n0 = n_tile * NT;
   const bool active = col < a.m;  // m % EPL == 0: a lane's columns are all in or all out
-  const int c_begin = blockIdx.y * a.split_len;
+  const int c_begin = split * a.split_len;
   const int c_end = min(c_begin + a.split_len, a.red);
   const int rows = max(0, (c_end - c_begin - warp + kWarps - 1) / kWarps);
   const T* weight = static_cast<const T*>(a.weight);
@@ -636,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 #pragma unroll
   for (int d = 0; d < kDepthTransposed; ++d) load_row(d, d);
   allow_dependents();
-  wait_for_producer();
+  wait();
 
   // Stage x[b, ci, j] for the block's input channels at n = b * L_in + j: one channel per
   // thread at a time, all NT positions' loads in flight together.
@@ -699,9 +742,145 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     for (int v = 0; v < EPL; ++v)
 #pragma unroll
       for (int n = 0; n < NT; ++n)
-        a.ws[(static_cast<int64_t>(blockIdx.y) * a.m + col + v) * a.nt + n0 + n] = acc[v * NT + n];
+        a.ws[(static_cast<int64_t>(split) * a.m + col + v) * a.nt + n0 + n] = acc[v * NT + n];
   }
   arrive_and_finish<T, true>(a, tile_lo, min(tile_lo + 32 * EPL, a.m), nullptr, 0);
+}
+
+template <typename T, int NT, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_transposed_kernel(const StreamArgs a) {
+  stream_transposed_tile<T, NT, EPL>(a, blockIdx.x, blockIdx.y, blockIdx.z, WaitForProducer{});
+}
+
+// ---------------------------------------------------------------------------------------
+// A program: a sequence of the streaming convs above (a whole U-Net forward) in one
+// persistent launch of one block per wave slot. Each stage is a launch's worth of work
+// units (blockIdx values); a block takes units blockIdx.x, + gridDim.x, ... of every stage in
+// turn, issues a unit's weight loads at once and only then waits until the previous stage
+// has finished all its output tiles (a counter its finishing blocks increment), so the
+// launch, the kernel boundary and the cold code of ~30 launches per forward are paid once.
+
+struct ProgramStage {
+  StreamArgs a, b;  // b: a second problem sharing the stage (a residual block's shortcut)
+  int kind;         // which instantiation runs it: program_kind()
+  int a_tiles;      // row tiles of a; b's tiles follow (all of them a's when b is unused)
+  int grid_x, grid_y, grid_z;
+  int units;        // output tiles the stage finishes, a's and b's: the next stage waits for them
+};
+
+// Programs take the position tiles of small batches (NT 4, 8, 16: batch x length < 32, the
+// streaming route) in either weight layout, with or without 16-byte weight loads.
+constexpr int kProgramTileCount = 3;
+__host__ __device__ constexpr int program_kind(bool transposed, int nt_index, bool vectorised) {
+  return (transposed ? 2 * kProgramTileCount : 0) + nt_index * 2 + (vectorised ? 1 : 0);
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Waits until `*count` reaches `target` (no wait for the first stage: the launch is ordered
+// after the kernels that wrote its inputs). `relaxed`: poll without acquire semantics, with
+// a back-off, and fence once it is reached.
+struct WaitForStage {
+  const int* count;
+  int target;
+  bool relaxed;
+  __device__ void operator()() const {
+    if (count != nullptr && threadIdx.x == 0) {
+      if (relaxed) {
+        while (load_relaxed(count) < target) __nanosleep(32);
+      } else {
+        while (load_acquire(count) < target) {
+        }
+      }
+      __threadfence();
+    }
+    __syncthreads();
+  }
+};
+
+// One call per instantiation, not inlined: each is then register-allocated on its own, as
+// in its own kernel (inlined into one function, ptxas allocates the twelve bodies together
+// and spills ~2 KB per thread). A call's ABI leaves fewer registers than a kernel has, so the
+// conv body keeps kProgramDepth weight requests in flight instead of kDepth.
+constexpr int kProgramDepth = 2;
+
+template <typename T, int NT, int R, int EPL>
+__device__ __noinline__ void program_conv_unit(const StreamArgs& a, int tile, int split, int n_tile,
+                                               WaitForStage wait) {
+  stream_conv_tile<T, NT, R, EPL, kProgramDepth>(a, tile, split, n_tile, wait);
+}
+
+template <typename T, int NT, int EPL>
+__device__ __noinline__ void program_transposed_unit(const StreamArgs& a, int tile, int split,
+                                                     int n_tile, WaitForStage wait) {
+  stream_transposed_tile<T, NT, EPL>(a, tile, split, n_tile, wait);
+}
+
+template <typename T>
+__device__ __forceinline__ void run_program_unit(int kind, const StreamArgs& a, int tile, int split,
+                                                 int n_tile, const WaitForStage& wait) {
+  constexpr int kVec = 16 / sizeof(T);
+  switch (kind) {
+#define DPA_PROGRAM_CONV(I, NT)                                                                     \
+  case program_kind(false, I, false):                                                              \
+    return program_conv_unit<T, NT, conv_rows<T, NT>(), 1>(a, tile, split, n_tile, wait);          \
+  case program_kind(false, I, true):                                                               \
+    return program_conv_unit<T, NT, conv_rows<T, NT>(), kVec>(a, tile, split, n_tile, wait);       \
+  case program_kind(true, I, false):                                                               \
+    return program_transposed_unit<T, NT, 1>(a, tile, split, n_tile, wait);                        \
+  case program_kind(true, I, true):                                                                \
+    return program_transposed_unit<T, NT, transposed_vector<T, NT>()>(a, tile, split, n_tile, wait);
+    DPA_PROGRAM_CONV(0, 4)
+    DPA_PROGRAM_CONV(1, 8)
+    DPA_PROGRAM_CONV(2, 16)
+#undef DPA_PROGRAM_CONV
+  }
+}
+
+// done[s]: stage s's finished output tiles; done[num_stages] counts blocks leaving, so that
+// the last one can put every count back to zero for the next launch.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    program_kernel(const ProgramStage* stages, int num_stages, int* done, int options) {
+  __shared__ StreamArgs problem;
+  constexpr int kWords = sizeof(StreamArgs) / sizeof(int);
+  static_assert(sizeof(StreamArgs) % sizeof(int) == 0 && kWords <= kThreads,
+                "StreamArgs is copied as words, one per thread");
+  for (int s = 0; s < num_stages; ++s) {
+    const ProgramStage& stage = stages[s];
+    const int gx = stage.grid_x, gxy = gx * stage.grid_y, blocks = gxy * stage.grid_z;
+    const WaitForStage wait{s > 0 ? done + s - 1 : nullptr, s > 0 ? stages[s - 1].units : 0,
+                            (options & kProgramRelaxedPoll) != 0};
+    for (int block = blockIdx.x; block < blocks; block += gridDim.x) {
+      const int x = block % gx, y = block % gxy / gx, z = block / gxy;
+      const bool first = x < stage.a_tiles;
+      const StreamArgs& source = first ? stage.a : stage.b;
+      if (y >= source.splits) continue;
+      __syncthreads();  // the previous block's work has finished reading `problem`
+      if (threadIdx.x < kWords)
+        reinterpret_cast<int*>(&problem)[threadIdx.x] = reinterpret_cast<const int*>(&source)[threadIdx.x];
+      __syncthreads();
+      run_program_unit<T>(stage.kind, problem, first ? x : x - stage.a_tiles, y, z, wait);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(done + num_stages, 1) == static_cast<int>(gridDim.x) - 1) {
+      for (int s = 0; s <= num_stages; ++s) done[s] = 0;
+    }
+  }
 }
 
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
@@ -730,6 +909,7 @@ StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tens
   a.x_sb = x.stride(0);
   a.x_sc = x.stride(1);
   a.x_sl = x.stride(2);
+  a.x_split = static_cast<int>(p.in_channels);
   a.weight = weight.data_ptr();
   a.bias = optional_data(bias);
   a.residual = optional_data(residual);
@@ -753,7 +933,15 @@ struct StreamLaunch {
   void (*pair_kernel)(StreamArgs, StreamArgs, int);
   dim3 grid;
   size_t shared_bytes;
+  int program_kind;  // -1: a program cannot run this instantiation
 };
+
+template <int NT>
+int program_kind_of(bool transposed, bool vectorised) {
+  constexpr int nt_index = NT == 4 ? 0 : NT == 8 ? 1 : NT == 16 ? 2 : -1;
+  static_assert(nt_index < kProgramTileCount, "program tiles");
+  return nt_index < 0 ? -1 : program_kind(transposed, nt_index, vectorised);
+}
 
 // Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
 // idle while it runs.
@@ -775,22 +963,16 @@ void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len, int
 template <typename T, int NT>
 StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
   constexpr int kVec = 16 / sizeof(T);
-  // Weight rows per warp: about 32 accumulators, and 16 fp32 weights per lane per request
-  // (half types carry 8 per 16-byte load, so fewer rows keep the registers in bounds).
-  constexpr int R = std::max(1, (NT <= 8 ? 4 : NT == 16 ? 2 : 1) * 4 / kVec);
+  constexpr int R = conv_rows<T, NT>();
   const int granule = 32 * (vectorised ? kVec : 1);
   const int m_tiles = ceil_div(a.m, kWarps * R);
   plan_splits(a, m_tiles, granule, max_shared_bytes() / (NT * 4) / granule * granule, blocks);
   if (a.groups == 0) a.unit_rows = kWarps * R;
   return {vectorised ? stream_conv_kernel<T, NT, R, kVec> : stream_conv_kernel<T, NT, R, 1>,
           vectorised ? stream_conv_pair_kernel<T, NT, R, kVec> : stream_conv_pair_kernel<T, NT, R, 1>,
-          dim3(m_tiles, a.splits, a.n_tiles), static_cast<size_t>(NT) * a.split_len * sizeof(float)};
+          dim3(m_tiles, a.splits, a.n_tiles), static_cast<size_t>(NT) * a.split_len * sizeof(float),
+          program_kind_of<NT>(false, vectorised)};
 }
-
-// Vector width (elements) of the transposed kernel's weight loads: 16 bytes, or fewer where
-// that would take more than 64 accumulators.
-template <typename T, int NT>
-constexpr int transposed_vector() { return std::min<int>(16 / sizeof(T), 64 / NT); }
 
 template <typename T, int NT>
 StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
@@ -806,7 +988,8 @@ StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
                                          static_cast<size_t>(kWarps / 2) * 32 * epl * NT);
   return {vectorised ? stream_conv_transposed_kernel<T, NT, kVec>
                      : stream_conv_transposed_kernel<T, NT, 1>,
-          nullptr, dim3(m_tiles, a.splits, a.n_tiles), floats * sizeof(float)};
+          nullptr, dim3(m_tiles, a.splits, a.n_tiles), floats * sizeof(float),
+          program_kind_of<NT>(true, vectorised)};
 }
 
 template <typename T>
@@ -866,15 +1049,150 @@ void launch_streaming(void (*kernel)(Params...), dim3 grid, size_t shared_bytes,
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Recording a program (StreamProgram, conv1d.h).
+
+struct StreamProgram::Impl {
+  struct Region {
+    uintptr_t lo, hi;
+  };
+  struct Concat {
+    const void* placeholder;
+    at::Tensor first, second;
+  };
+  std::vector<ProgramStage> stages;
+  std::vector<at::Tensor> keep_alive;
+  std::vector<Region> readable;  // declared inputs and every stage's output
+  std::vector<Region> outputs;
+  std::vector<Concat> concats;
+  std::optional<at::TensorOptions> options;  // the first stage's dtype and device
+  size_t shared_bytes = 0;
+  void (*kernel)(const ProgramStage*, int, int*, int) = nullptr;
+  int grid = 0;
+  at::Tensor device_stages, done;
+  std::string failure;
+  bool ended = false;
+
+  void fail(const std::string& why) {
+    if (failure.empty()) failure = why;
+  }
+  static Region region_of(const at::Tensor& t) {
+    const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return {lo, lo + t.nbytes()};
+  }
+  static bool contains(const std::vector<Region>& regions, const void* p) {
+    const auto v = reinterpret_cast<uintptr_t>(p);
+    return std::any_of(regions.begin(), regions.end(), [v](const Region& r) { return v >= r.lo && v < r.hi; });
+  }
+  // Points a stage's input at what the program has: a declared tensor, an earlier stage's
+  // output, or the two halves of a declared concatenation.
+  bool resolve_input(StreamArgs& a, bool transposed) {
+    for (const Concat& c : concats) {
+      if (a.x != c.placeholder) continue;
+      if (transposed) {
+        fail("a transposed conv reads a concatenation (not supported in a program)");
+        return false;
+      }
+      a.x = c.first.data_ptr();
+      a.x_sb = c.first.stride(0), a.x_sc = c.first.stride(1), a.x_sl = c.first.stride(2);
+      a.x2 = c.second.data_ptr();
+      a.x2_sb = c.second.stride(0), a.x2_sc = c.second.stride(1), a.x2_sl = c.second.stride(2);
+      a.x_split = static_cast<int>(c.first.size(1));
+      return true;
+    }
+    if (!contains(readable, a.x)) {
+      fail("stage " + std::to_string(stages.size()) +
+           " reads an input that no earlier stage writes and that was not declared (a PyTorch "
+           "op between the fused ones?)");
+      return false;
+    }
+    return true;
+  }
+  bool check_readable(const void* p, const char* what) {
+    if (p == nullptr || contains(readable, p)) return true;
+    fail(std::string("stage ") + std::to_string(stages.size()) + "'s " + what +
+         " is neither declared nor written by an earlier stage");
+    return false;
+  }
+  // Per problem: fresh tile counters and workspace (kept), and its output made readable.
+  void attach(StreamArgs& a, const at::Tensor& x) {
+    const int64_t units = ceil_div(a.m, a.unit_rows);
+    at::Tensor counters = at::zeros({units}, x.options().dtype(at::kInt));
+    a.counters = counters.data_ptr<int>();
+    keep_alive.push_back(counters);
+    keep_alive.push_back(attach_workspace(a, x));
+  }
+  // A launch's worth of work: `a` (and `b`, sharing the grid from x-tile a_tiles on).
+  void add_stage(StreamArgs a, const StreamArgs* b, int kind, dim3 grid, size_t launch_shared_bytes,
+                 int a_tiles, bool transposed, const at::Tensor& x,
+                 const std::vector<at::Tensor>& operands) {
+    if (!failure.empty()) return;
+    if (!options.has_value()) {
+      options = x.options();
+    } else if (x.scalar_type() != options->dtype().toScalarType() || x.device() != options->device()) {
+      return fail("the stages do not share one dtype and device");
+    }
+    if (kind < 0) {
+      return fail("a position tile of 32 (batch x length from 17 to 31) has no program kernel");
+    }
+    StreamArgs second = b ? *b : StreamArgs{};
+    if (!resolve_input(a, transposed) || (b && !resolve_input(second, transposed))) return;
+    for (const StreamArgs* s : {&a, b ? &second : nullptr}) {
+      if (s && !(check_readable(s->residual, "residual") && check_readable(s->film, "FiLM"))) return;
+    }
+    attach(a, x);
+    if (b) attach(second, x);
+    ProgramStage stage{};
+    stage.a = a;
+    stage.b = second;
+    stage.kind = kind;
+    stage.a_tiles = b ? a_tiles : static_cast<int>(grid.x);
+    stage.grid_x = static_cast<int>(grid.x);
+    stage.grid_y = static_cast<int>(grid.y);
+    stage.grid_z = static_cast<int>(grid.z);
+    stage.units = ceil_div(a.m, a.unit_rows) + (b ? ceil_div(second.m, second.unit_rows) : 0);
+    stages.push_back(stage);
+    shared_bytes = std::max(shared_bytes, launch_shared_bytes);
+    keep_alive.push_back(x);
+    keep_alive.insert(keep_alive.end(), operands.begin(), operands.end());
+    // Outputs become readable only now: a stage never reads its own output.
+    for (size_t i = 0; i < operands.size(); ++i) {
+      if (operands[i].data_ptr() == a.out || (b && operands[i].data_ptr() == second.out)) {
+        outputs.push_back(region_of(operands[i]));
+        readable.push_back(region_of(operands[i]));
+      }
+    }
+  }
+};
+
+namespace {
+
+// The program being recorded on this thread, if any.
+thread_local StreamProgram::Impl* recording = nullptr;
+
+void note_gemm_route(const char* op) {
+  if (recording) {
+    recording->fail(std::string(op) + " takes its im2col + cuBLAS route at batch x length >= " +
+                    std::to_string(gemm_path_min_positions.load()) + ", which a program does not run");
+  }
+}
+
 // Runs a streaming kernel with `counters` (the caller's, or null for fresh zeros) and a
-// workspace.
+// workspace, or adds it to the program being recorded. `operands`: every tensor the kernel
+// reads or writes besides x (the recording keeps them alive).
 void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
-                   const at::Tensor& weight, int* counters) {
+                   const at::Tensor& weight, int* counters, const std::vector<at::Tensor>& operands) {
   tile_positions(a, weight);
   StreamLaunch launch{};
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
     launch = plan_stream<scalar_t>(a, p.transposed, weight, wave_blocks());
   });
+  if (recording) {
+    return recording->add_stage(a, nullptr, launch.program_kind, launch.grid, launch.shared_bytes,
+                                0, p.transposed, x, operands);
+  }
   const at::Tensor own_counters =
       counters ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
   a.counters = counters ? counters : own_counters.data_ptr<int>();
@@ -888,11 +1206,7 @@ void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
 // allow: that block sets the launch's time. `counters`: a's then b's, or null for fresh zeros.
 void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, const ConvProblem& pb,
                         const at::Tensor& x, const at::Tensor& wa, const at::Tensor& wb,
-                        int* counters) {
-  const at::Tensor own_counters =
-      counters ? at::Tensor()
-               : at::zeros({pa.out_channels + pb.out_channels}, x.options().dtype(at::kInt));
-  int* const base = counters ? counters : own_counters.data_ptr<int>();
+                        int* counters, const std::vector<at::Tensor>& operands) {
   tile_positions(a, wa);
   tile_positions(b, wb);
   StreamLaunch la{}, lb{};
@@ -914,17 +1228,30 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
     if (per_block < best) best = per_block, best_blocks = b_blocks;
   }
   plan(best_blocks);
-  a.counters = base;
-  b.counters = base + pa.out_channels;
+  const bool paired = la.pair_kernel == lb.pair_kernel;
+  const dim3 grid(la.grid.x + lb.grid.x, std::max(la.grid.y, lb.grid.y), la.grid.z);
+  const size_t shared_bytes = std::max(la.shared_bytes, lb.shared_bytes);
+  if (recording) {
+    if (paired) {
+      return recording->add_stage(a, &b, la.program_kind, grid, shared_bytes,
+                                  static_cast<int>(la.grid.x), false, x, operands);
+    }
+    recording->add_stage(a, nullptr, la.program_kind, la.grid, la.shared_bytes, 0, false, x, operands);
+    return recording->add_stage(b, nullptr, lb.program_kind, lb.grid, lb.shared_bytes, 0, false, x,
+                                operands);
+  }
+  const at::Tensor own_counters =
+      counters ? at::Tensor()
+               : at::zeros({pa.out_channels + pb.out_channels}, x.options().dtype(at::kInt));
+  a.counters = counters ? counters : own_counters.data_ptr<int>();
+  b.counters = a.counters + pa.out_channels;
   const at::Tensor ws_a = attach_workspace(a, x), ws_b = attach_workspace(b, x);
-  if (la.pair_kernel != lb.pair_kernel) {
+  if (!paired) {
     launch_streaming(la.kernel, la.grid, la.shared_bytes, a);
     launch_streaming(lb.kernel, lb.grid, lb.shared_bytes, b);
     return;
   }
-  const dim3 grid(la.grid.x + lb.grid.x, std::max(la.grid.y, lb.grid.y), la.grid.z);
-  launch_streaming(la.pair_kernel, grid, std::max(la.shared_bytes, lb.shared_bytes), a, b,
-                   static_cast<int>(la.grid.x));
+  launch_streaming(la.pair_kernel, grid, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
 // im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
@@ -942,10 +1269,20 @@ at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
 
 // A conv1d_gn_mish call's operands, made contiguous (and kept alive here until the launch is
 // queued), its output, and the kernels' arguments.
+std::vector<at::Tensor> defined(std::initializer_list<std::optional<at::Tensor>> tensors) {
+  std::vector<at::Tensor> out;
+  for (const auto& t : tensors)
+    if (t.has_value()) out.push_back(*t);
+  return out;
+}
+
 struct GnMishCall {
   at::Tensor weight, out;
   std::optional<at::Tensor> bias, gn_weight, gn_bias, film, residual;
   StreamArgs a;
+  std::vector<at::Tensor> operands() const {
+    return defined({weight, out, bias, gn_weight, gn_bias, film, residual});
+  }
 };
 
 GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
@@ -981,6 +1318,7 @@ struct ConvCall {
   at::Tensor weight, out;
   std::optional<at::Tensor> bias, residual;
   StreamArgs a;
+  std::vector<at::Tensor> operands() const { return defined({weight, out, bias, residual}); }
 };
 
 ConvCall conv_call(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
@@ -1013,6 +1351,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const c10::cuda::CUDAGuard guard(x.device());
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
   if (c.a.positions >= gemm_path_min_positions.load()) {
+    note_gemm_route("conv1d_gn_mish");
     const at::Tensor pre = conv_as_gemm(x, c.weight, c.bias, p).contiguous();
     DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
       group_norm_epilogue_kernel<scalar_t>
@@ -1022,7 +1361,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
     });
     return c.out;
   }
-  run_streaming(c.a, p, x, c.weight, counters_data(counters));
+  run_streaming(c.a, p, x, c.weight, counters_data(counters), c.operands());
   return c.out;
 }
 
@@ -1035,13 +1374,14 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
   if (positions >= gemm_path_min_positions.load()) {
+    note_gemm_route("conv1d");
     at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
                                 : at::conv1d(x, weight, bias, stride, padding);
     if (residual.has_value()) out.add_(*residual);
     return out.contiguous();
   }
   ConvCall c = conv_call(p, x, weight, bias, residual);
-  run_streaming(c.a, p, x, c.weight, counters_data(counters));
+  run_streaming(c.a, p, x, c.weight, counters_data(counters), c.operands());
   return c.out;
 }
 
@@ -1063,11 +1403,107 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
   }
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
   ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
-  run_streaming_pair(c.a, cs.a, p, ps, x, c.weight, cs.weight, counters_data(counters));
+  std::vector<at::Tensor> operands = c.operands();
+  for (const at::Tensor& t : cs.operands()) operands.push_back(t);
+  run_streaming_pair(c.a, cs.a, p, ps, x, c.weight, cs.weight, counters_data(counters), operands);
   return {c.out, cs.out};
 }
 
 }  // namespace
+
+StreamProgram::StreamProgram() : impl_(std::make_shared<Impl>()) {}
+
+void StreamProgram::begin() {
+  TORCH_CHECK(recording == nullptr, "StreamProgram.begin: another program is being recorded on this thread");
+  TORCH_CHECK(!impl_->ended && impl_->stages.empty(), "StreamProgram.begin: this program was recorded already");
+  recording = impl_.get();
+}
+
+void StreamProgram::add_input(const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.is_cuda(), "StreamProgram.add_input: the tensor must be on a CUDA device");
+  impl_->keep_alive.push_back(t);
+  impl_->readable.push_back(Impl::region_of(t));
+}
+
+void StreamProgram::concat(const at::Tensor& placeholder, const at::Tensor& first,
+                           const at::Tensor& second) {
+  TORCH_CHECK_VALUE(placeholder.dim() == 3 && first.dim() == 3 && second.dim() == 3 &&
+                        placeholder.is_contiguous() && placeholder.size(0) == first.size(0) &&
+                        placeholder.size(0) == second.size(0) &&
+                        placeholder.size(1) == first.size(1) + second.size(1) &&
+                        placeholder.size(2) == first.size(2) && placeholder.size(2) == second.size(2),
+                    "StreamProgram.concat: placeholder must be a contiguous [B, C1 + C2, L] for "
+                    "first [B, C1, L] and second [B, C2, L]");
+  if (!Impl::contains(impl_->readable, first.data_ptr()) || !Impl::contains(impl_->readable, second.data_ptr())) {
+    impl_->fail("a concatenation of tensors the program does not produce");
+  }
+  impl_->keep_alive.insert(impl_->keep_alive.end(), {placeholder, first, second});
+  impl_->concats.push_back({placeholder.data_ptr(), first, second});
+}
+
+void StreamProgram::end() {
+  if (recording == impl_.get()) recording = nullptr;
+  if (impl_->ended) return;
+  impl_->ended = true;
+  Impl& p = *impl_;
+  if (p.failure.empty() && p.stages.empty()) p.fail("no streaming conv was recorded");
+  if (!p.failure.empty()) return;
+  const c10::cuda::CUDAGuard guard(p.options->device());
+  DPA_DISPATCH_FLOAT_TYPES(p.options->dtype().toScalarType(), "StreamProgram", [&] {
+    p.kernel = program_kernel<scalar_t>;
+  });
+  if (p.shared_bytes > 40 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(p.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(p.shared_bytes)));
+  }
+  // Every block must be resident at once: blocks wait for each other's stages.
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, p.kernel, kThreads, p.shared_bytes));
+  p.grid = wave_blocks();
+  if (per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount < p.grid) {
+    return p.fail("the program kernel fits " + std::to_string(per_sm) + " blocks per SM, " +
+                  std::to_string(kBlocksPerSm) + " are needed");
+  }
+  p.done = at::zeros({static_cast<int64_t>(p.stages.size()) + 1}, p.options->dtype(at::kInt));
+  for (size_t s = 0; s < p.stages.size(); ++s) {
+    p.stages[s].a.done = p.done.data_ptr<int>() + s;
+    p.stages[s].b.done = p.done.data_ptr<int>() + s;
+    if (program_options.load() & kProgramNoPrefetch) p.stages[s].a.prefetch = p.stages[s].b.prefetch = false;
+  }
+  const int64_t bytes = static_cast<int64_t>(p.stages.size() * sizeof(ProgramStage));
+  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(host.data_ptr(), p.stages.data(), bytes);
+  p.device_stages = host.to(p.options->device());
+}
+
+bool StreamProgram::produced(const at::Tensor& t) const {
+  return Impl::contains(impl_->outputs, t.data_ptr());
+}
+
+void StreamProgram::run() const {
+  const Impl& p = *impl_;
+  TORCH_CHECK(p.ended, "StreamProgram.run: the program is still being recorded (call end())");
+  TORCH_CHECK(p.failure.empty(), "StreamProgram.run: the recording failed: ", p.failure);
+  const c10::cuda::CUDAGuard guard(p.options->device());
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = p.shared_bytes;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeCooperative;
+  attribute[0].val.cooperative = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, p.kernel,
+                                    reinterpret_cast<const ProgramStage*>(p.device_stages.data_ptr()),
+                                    static_cast<int>(p.stages.size()), p.done.data_ptr<int>(),
+                                    program_options.load()));
+}
+
+int64_t StreamProgram::num_stages() const { return static_cast<int64_t>(impl_->stages.size()); }
+
+std::string StreamProgram::failure() const { return impl_->failure; }
 
 TORCH_LIBRARY_IMPL(dpa, CUDA, m) {
   m.impl("conv1d_gn_mish", &conv1d_gn_mish_cuda);

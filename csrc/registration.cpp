@@ -50,5 +50,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
   m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
         "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
+  m.def("set_program_options", [](int options) { return dpa::program_options.exchange(options); },
+        "Sets StreamProgram's measurement variants (bit mask, see conv1d.h); returns the old value.");
+  // Used by GraphedSampler (sampler._UNetProgram); see dpa::StreamProgram in conv1d.h.
+  pybind11::class_<dpa::StreamProgram>(m, "StreamProgram",
+                                       "Streaming conv launches recorded and run as one persistent kernel.")
+      .def(pybind11::init<>())
+      .def("begin", &dpa::StreamProgram::begin)
+      .def("add_input", &dpa::StreamProgram::add_input)
+      .def("concat", &dpa::StreamProgram::concat)
+      .def("end", &dpa::StreamProgram::end)
+      .def("produced", &dpa::StreamProgram::produced)
+      .def("run", &dpa::StreamProgram::run)
+      .def_property_readonly("num_stages", &dpa::StreamProgram::num_stages)
+      .def_property_readonly("failure", &dpa::StreamProgram::failure);
 #endif
 }

@@ -13,8 +13,10 @@ residual add), or, for a residual block's first Conv1dBlock and its 1x1 shortcut
 PyTorch path, which computes the same function (`use_fused_ops = False` selects it for
 comparison).
 """
+import contextlib
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+import threading
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -105,6 +107,33 @@ def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
                              counters=_counters_for(owner, x))
     out = conv(x)
     return out if residual is None else out + residual
+
+
+# .program: the dpa StreamProgram being recorded on this thread (see `recording_program`).
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording_program(program) -> Iterator[None]:
+    """Within this context the fused ops on this thread add stages to `program` (an
+    extension `StreamProgram`) instead of launching, and the U-Net's skip concatenations
+    become placeholders that the next stage reads in place (a program runs no PyTorch op)."""
+    program.begin()
+    _RECORDING.program = program
+    try:
+        yield
+    finally:
+        _RECORDING.program = None
+        program.end()
+
+
+def _concat(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+    program = getattr(_RECORDING, "program", None)
+    if program is None:
+        return torch.cat((x, skip), dim=1)
+    placeholder = x.new_empty(x.shape[0], x.shape[1] + skip.shape[1], x.shape[2])
+    program.concat(placeholder, x, skip)
+    return placeholder
 
 
 def _register_counters(module: nn.Module, channels: int) -> None:
@@ -470,7 +499,7 @@ class ConditionalUnet1D(nn.Module):
             x = block(mid_module, x)
 
         for idx, (resnet, resnet2, upsample) in enumerate(self.up_modules):
-            x = torch.cat((x, h.pop()), dim=1)
+            x = _concat(x, h.pop())
             x = block(resnet, x)
             # Never true (idx stops at len - 1), so h_local[1] is computed but unused.
             # Diffusion Policy keeps this condition on purpose: its published checkpoints

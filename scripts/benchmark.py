@@ -12,9 +12,11 @@ device-to-device copy bandwidth measured in the same run. Medians of CUDA-event 
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
     python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--compile] [--out DIR]
-                                [--ours-only]
+                                [--ours-only] [--single-kernel]
 
---ours-only skips the baselines (a quick A/B of our variants).
+--ours-only skips the baselines (a quick A/B of our variants). --single-kernel adds ours with
+the experimental single-kernel U-Net (GraphedSampler(single_kernel_unet=None): one persistent
+kernel per forward where batch x horizon < 32) next to the default, one launch per conv.
 """
 import argparse
 import json
@@ -98,6 +100,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
     parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
     parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
+    parser.add_argument("--single-kernel", action="store_true",
+                        help="also time ours with the experimental single-kernel U-Net")
     args = parser.parse_args()
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -105,7 +109,7 @@ def main():
     bandwidth = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off (baselines)  "
           f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
-    header = (f"{'U-Net':7} {'schedule':9} {'B':>3} {'method':13} {'ms/action':>10} {'us/step':>9} "
+    header = (f"{'U-Net':7} {'schedule':9} {'B':>3} {'method':22} {'ms/action':>10} {'us/step':>9} "
               f"{'vs eager':>8} {'vs graph':>8} {'vs compile':>10} {'x floor':>8} {'max|da| fp32':>12}")
     print(header, flush=True)
     rows = []
@@ -143,12 +147,17 @@ def main():
                             ConditionalUnet1D(**UNETS[unet_name]).cuda().eval().to(dtype)
                         if unet is not base:
                             unet.load_state_dict(base.state_dict())
-                        sampler = GraphedSampler(unet, schedule)
-                        label = f"ours {str(dtype)[6:]}"
-                        results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
-                        actions[dtype] = sampler(data, mask, global_cond=global_cond, noise=noise)
-                        floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
-                        results[label + "/floor"] = floor_ms
+                        for single_kernel in (False, None) if args.single_kernel else (False,):
+                            sampler = GraphedSampler(unet, schedule, single_kernel_unet=single_kernel)
+                            label = f"ours {str(dtype)[6:]}" + (" single" if single_kernel is None else "")
+                            if dtype == torch.float32 and single_kernel is None:
+                                print(f"  ours single, {unet_name} B={batch}: U-Net "
+                                      f"{sampler.unet_path(batch, HORIZON)}", flush=True)
+                            results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
+                            if single_kernel is False:
+                                actions[dtype] = sampler(data, mask, global_cond=global_cond, noise=noise)
+                            floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
+                            results[label + "/floor"] = floor_ms
                 fp32_floor = conv_params * 4 / (bandwidth * 1e9) * 1e3 * steps
                 for name, ms in results.items():
                     if name.endswith("/floor"):
@@ -164,7 +173,7 @@ def main():
                                action_error_vs_fp32=error,
                                device=torch.cuda.get_device_name(), torch=torch.__version__)
                     rows.append(row)
-                    print(f"{unet_name:7} {schedule_name:9} {batch:3} {name:13} {ms:10.2f} {row['us_per_step']:9.1f} "
+                    print(f"{unet_name:7} {schedule_name:9} {batch:3} {name:22} {ms:10.2f} {row['us_per_step']:9.1f} "
                           f"{ratio('eager'):>8} {ratio('graph'):>8} {ratio('compile'):>10} {ms / floor:7.1f}x"
                           + ("" if error is None else f" {error:12.2e}"), flush=True)
     out = Path(args.out)

@@ -3,6 +3,7 @@
 # GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the profiler.
 # DPA_STAGES picks stages (default: all, in this order):
 #   tests sanitize blocks demo bench profile ncu
+# DPA_TESTS narrows the tests stage to some files.
 # Logs, JSON, plots and traces go to $WORK, packed at the end into $OUT/results.tgz (the
 # device tool brings $OUT back, a few files at most). Missing Python packages (the device has
 # no network) can be carried as wheels in .whl/ (see README "GPU check").
@@ -38,7 +39,7 @@ echo "built in $((SECONDS - start)) s"
 
 if want tests; then
   echo "== tests"
-  python3 -m pytest -q -p no:cacheprovider tests >"$WORK/tests.log" 2>&1 || status=1
+  python3 -m pytest -q -p no:cacheprovider ${DPA_TESTS:-tests} >"$WORK/tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -25
 fi
 

@@ -2,7 +2,8 @@
 fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups split across
 blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
 transposed convs, FiLM and residual epilogues, caller-owned counters, a conv and its 1x1
-shortcut in one launch or, misaligned, two) and denoise steps."""
+shortcut in one launch or, misaligned, two), denoise steps, and a small U-Net's denoising
+loop with its forward as one persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
 
 from diffusion_policy_accelerated import ops
@@ -56,6 +57,12 @@ def main():
     sample = torch.randn(3, 16, 2, device="cuda")
     for i in range(4):
         sample = sched.step(torch.randn_like(sample), i, sample, noise=torch.randn_like(sample))
+    from diffusion_policy_accelerated.sampler import GraphedSampler
+    for dtype, batch in ((torch.float32, 1), (torch.bfloat16, 2)):
+        sampler = GraphedSampler(model.to(dtype), sched, use_cuda_graph=False, single_kernel_unet=True)
+        action = sampler(torch.randn(batch, 8, 2, device="cuda"), torch.zeros(batch, 8, 2, dtype=torch.bool, device="cuda"),
+                         global_cond=torch.randn(batch, 8, device="cuda"))
+        assert torch.isfinite(action).all()
     torch.cuda.synchronize()
     print("sanitize case ran")
 

@@ -1,0 +1,124 @@
+"""The U-Net forward as one persistent kernel (GraphedSampler's experimental single-kernel
+path, dpa StreamProgram) against the same sampler launching one kernel per conv.
+
+Both paths run the same streaming-conv code with the same plans (the same split-K order, the
+same roundings), so their actions must be bit for bit equal, in every dtype; test_sampler.py
+compares the per-conv path with the float64-checked reference loop.
+"""
+import pytest
+import torch
+
+from diffusion_policy_accelerated import ConditionalUnet1D, ops
+from diffusion_policy_accelerated.sampler import GraphedSampler
+from test_sampler import build, make_inputs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda_build = pytest.mark.skipif(not ops.built_with_cuda(), reason="extension built without CUDA")
+
+# (down_dims, horizon, batch): 2-channel input layer (scalar weight loads), channel counts that
+# are not multiples of 8 / 16 (mixed vector widths), position tiles of 4, 8 and 16.
+SHAPES = [
+    ([32, 64, 128], 16, 1),
+    ([32, 64, 128], 8, 2),
+    ([24, 40, 72], 16, 1),
+    ([64, 128], 4, 3),
+    ([256, 512, 1024], 16, 1),
+]
+
+
+def paired_samplers(device, dtype, scheduler, down_dims, **kwargs):
+    unet, schedule, _ = build(device, scheduler=scheduler, down_dims=down_dims, **kwargs)
+    unet = unet.to(dtype)
+    return (GraphedSampler(unet, schedule, single_kernel_unet=True),
+            GraphedSampler(unet, schedule, single_kernel_unet=False), schedule)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("down_dims,horizon,batch", SHAPES)
+@pytest.mark.parametrize("use_cuda_graph", [True, False])
+def test_single_kernel_equals_launch_per_conv(dtype, down_dims, horizon, batch, use_cuda_graph):
+    single, per_conv, schedule = paired_samplers("cuda", dtype, "ddpm", down_dims, steps=6)
+    single.use_cuda_graph = per_conv.use_cuda_graph = use_cuda_graph
+    assert single.unet_path(batch, horizon) == "single kernel"
+    for seed in range(2):  # the second call replays (or reruns) what the first one built
+        inputs = make_inputs(batch, "cuda", seed, len(schedule.timesteps), horizon=horizon)
+        expected = per_conv(**inputs)
+        actual = single(**inputs)
+        assert torch.isfinite(actual).all()
+        assert torch.equal(actual, expected)
+
+
+@needs_cuda
+def test_program_writes_its_output():
+    """A poisoned output buffer is overwritten entirely by one run."""
+    single, per_conv, schedule = paired_samplers("cuda", torch.float32, "ddim", [32, 64, 128], steps=4)
+    inputs = make_inputs(1, "cuda", 0, len(schedule.timesteps))
+    expected = per_conv(**inputs)
+    program = single._program((1, 16, False))
+    with torch.inference_mode():  # the program's tensors are inference tensors
+        program.output.fill_(float("nan"))
+    assert torch.equal(single(**inputs), expected)
+
+
+@needs_cuda
+def test_falls_back_with_the_reason():
+    single, per_conv, schedule = paired_samplers("cuda", torch.float32, "ddim", [32, 64, 128], steps=4)
+    # batch x horizon = 64: the convs take the im2col + cuBLAS route, which a program does not run.
+    with pytest.raises(RuntimeError, match="im2col"):
+        single(**make_inputs(4, "cuda", 0, len(schedule.timesteps)))
+    where_possible = GraphedSampler(single.unet, schedule, single_kernel_unet=None)
+    assert where_possible.unet_path(4, 16).startswith("one launch per conv: conv1d_gn_mish takes its im2col")
+    inputs = make_inputs(4, "cuda", 0, len(schedule.timesteps))
+    assert torch.equal(where_possible(**inputs), per_conv(**inputs))
+    assert per_conv.unet_path(1, 16) == "one launch per conv: single_kernel_unet=False"
+
+
+@needs_cuda
+def test_local_cond_falls_back():
+    """local_cond adds a PyTorch op (x + h_local[0]) between the fused ones."""
+    unet, schedule, per_conv = build("cuda", scheduler="ddim", steps=4, local_cond_dim=3)
+    where_possible = GraphedSampler(unet, schedule, single_kernel_unet=None)
+    assert "PyTorch op" in where_possible.unet_path(1, 16, local_cond=True)
+    inputs = make_inputs(1, "cuda", 0, len(schedule.timesteps), local_dim=3)
+    assert torch.equal(where_possible(**inputs), per_conv(**inputs))
+
+
+def test_cpu_sampler_reports_its_path():
+    unet, schedule, _ = build("cpu", scheduler="ddim", steps=2)
+    sampler = GraphedSampler(unet, schedule, single_kernel_unet=None)
+    assert sampler.unet_path(1, 16) == "one launch per conv: the U-Net is not on a CUDA device"
+    with pytest.raises(RuntimeError, match="not on a CUDA device"):
+        GraphedSampler(unet, schedule, single_kernel_unet=True).unet_path(1, 16)
+
+
+@needs_cuda_build
+def test_stream_program_misuse_raises():
+    program = ops._C.StreamProgram()
+    with pytest.raises(RuntimeError, match="still being recorded"):
+        program.run()
+    program.begin()
+    try:
+        with pytest.raises(RuntimeError, match="another program"):
+            ops._C.StreamProgram().begin()
+    finally:
+        program.end()
+    assert program.failure == "no streaming conv was recorded"
+    with pytest.raises(RuntimeError, match="recording failed: no streaming conv"):
+        program.run()
+    with pytest.raises(RuntimeError, match="recorded already"):
+        program.begin()
+    with pytest.raises(ValueError, match="CUDA device"):
+        ops._C.StreamProgram().add_input(torch.zeros(3))
+
+
+@needs_cuda
+def test_undeclared_input_fails_the_recording():
+    from diffusion_policy_accelerated.model import recording_program
+
+    x = torch.randn(1, 8, 16, device="cuda")
+    w = torch.randn(16, 8, 3, device="cuda")
+    program = ops._C.StreamProgram()
+    with recording_program(program):
+        ops.conv1d(x, w, None, 1, 1)
+    assert "not declared" in program.failure
