@@ -25,7 +25,9 @@
 // ConvTranspose1d weights [C_in, C_out, K] are columns (stream_conv_transposed_kernel, which
 // computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue);
 // stream_conv_pair_kernel runs two Conv1d-layout problems of one input in one launch (a
-// residual block's first conv and its 1x1 shortcut). Beyond ~32 positions each weight feeds
+// residual block's first conv and its 1x1 shortcut); program_kernel runs a recorded sequence
+// of these problems as the stages of one persistent launch (experimental: StreamProgram, slower
+// than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions each weight feeds
 // enough outputs that im2col + cuBLAS (or cuDNN) wins; the GroupNorm epilogue is then one
 // more launch (group_norm_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>

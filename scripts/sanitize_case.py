@@ -60,7 +60,8 @@ def main():
     from diffusion_policy_accelerated.sampler import GraphedSampler
     for dtype, batch in ((torch.float32, 1), (torch.bfloat16, 2)):
         sampler = GraphedSampler(model.to(dtype), sched, use_cuda_graph=False, single_kernel_unet=True)
-        action = sampler(torch.randn(batch, 8, 2, device="cuda"), torch.zeros(batch, 8, 2, dtype=torch.bool, device="cuda"),
+        mask = torch.zeros(batch, 8, 2, dtype=torch.bool, device="cuda")
+        action = sampler(torch.randn(batch, 8, 2, device="cuda"), mask,
                          global_cond=torch.randn(batch, 8, device="cuda"))
         assert torch.isfinite(action).all()
     torch.cuda.synchronize()
