@@ -58,6 +58,8 @@ class GraphedSampler:
                             f"{type(unet).__name__}")
         if not isinstance(schedule, DenoiseSchedule):
             raise TypeError(f"schedule must be a DenoiseSchedule, got {type(schedule).__name__}")
+        if single_kernel_unet not in (None, True, False):
+            raise TypeError(f"single_kernel_unet must be None, True or False, got {single_kernel_unet!r}")
         parameter = next(unet.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         if use_cuda_graph is None:

@@ -92,6 +92,12 @@ def test_cpu_sampler_reports_its_path():
         GraphedSampler(unet, schedule, single_kernel_unet=True).unet_path(1, 16)
 
 
+def test_single_kernel_unet_must_be_a_bool_or_none():
+    unet, schedule, _ = build("cpu", scheduler="ddim", steps=2)
+    with pytest.raises(TypeError, match="single_kernel_unet must be None, True or False, got 'yes'"):
+        GraphedSampler(unet, schedule, single_kernel_unet="yes")
+
+
 @needs_cuda_build
 def test_stream_program_misuse_raises():
     program = ops._C.StreamProgram()
