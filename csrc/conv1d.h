@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace dpa {
 
@@ -76,12 +77,17 @@ extern std::atomic<int64_t> gemm_path_min_positions;
 // Programmatic dependent launch (Hopper+): each streaming kernel starts loading its weights
 // while the kernel before it finishes. Switchable for measurement (ops.set_pdl).
 extern std::atomic<bool> use_pdl;
+// L2 eviction priority of the streamed weights: evict-first (default) keeps activations,
+// partial sums and code in L2 across a forward; normal for measurement
+// (ops.set_weights_evict_first). Read when a launch is made or recorded.
+extern std::atomic<bool> weights_evict_first;
 // Variants of StreamProgram for measurement (ops.set_program_options), a bit mask:
 // kProgramRelaxedPoll: stages wait by relaxed polling with back-off (read at run());
 // kProgramNoPrefetch: no L2 prefetch of a block's weights while it waits (read at end()).
 constexpr int kProgramRelaxedPoll = 1;
 constexpr int kProgramNoPrefetch = 2;
 extern std::atomic<int> program_options;
+constexpr int kTraceEvents = 9;
 
 // A recorded sequence of the ops' streaming launches (a U-Net forward at a small batch),
 // replayed as one persistent kernel: run() launches it on the current stream, so it can be
@@ -104,6 +110,14 @@ class StreamProgram {
   void end();
   bool produced(const at::Tensor& t) const;  // whether a stage writes t (its first element)
   void run() const;
+  // Runs once with a timeline: an int64 tensor [stages, blocks, kTraceEvents] of global-timer
+  // nanoseconds at which each block's (last) work unit of each stage started, had waited for
+  // its input, had staged it, had streamed its weights, had counted its partial sums, and, in
+  // a block that finishes output tiles, had started finishing a tile, had added up its partial
+  // sums, had its GroupNorm statistics, and had finished its tiles (0 where a block did not
+  // get there).
+  at::Tensor run_traced() const;
+  std::vector<std::string> stage_names() const;  // what each stage computes, for reports
   int64_t num_stages() const;
   std::string failure() const;
 

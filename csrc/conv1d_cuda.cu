@@ -51,6 +51,7 @@ namespace dpa {
 std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
 std::atomic<bool> use_pdl{true};
 std::atomic<int> program_options{0};
+std::atomic<bool> weights_evict_first{true};
 
 namespace {
 
@@ -92,6 +93,7 @@ struct StreamArgs {
   float* ws;             // [splits, m, nt] partial sums
   int* counters;         // one per output tile, zero on entry and on exit
   int* done;             // a program's count of finished output tiles of this stage, or null
+  int64_t* trace;        // a traced program's timestamps of this stage, or null: trace_event()
   int batch, cout, lin, lout, ksize, stride, pad;
   int positions;  // GEMM N: batch * L_out (conv) or batch * L_in (transposed)
   int nt;         // positions rounded up to the kernel's tile (workspace row stride)
@@ -101,6 +103,7 @@ struct StreamArgs {
   int splits;
   int n_tiles;    // position tiles (blockIdx.z): more than one only past 32 positions
   bool prefetch;  // prefetch the block's weights into L2 while waiting for the producer
+  bool weights_evict_first;  // weight_policy()
   int unit_rows;  // GEMM rows per output tile (a GroupNorm group, or a block's rows)
   int groups;     // GroupNorm groups, 0 for a plain conv
   int film_width;
@@ -122,40 +125,81 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// A traced program's timeline (StreamProgram::run_traced): per stage and block, the global
+// timer (ns) when the block's last work unit of the stage reached each of these points.
+enum TraceEvent {
+  kTraceStart, kTraceWaited, kTraceStaged, kTraceComputed, kTraceArrived,
+  kTraceFinishing, kTraceSummed, kTraceNormalized, kTraceFinished  // finishing blocks only
+};
+__device__ __forceinline__ void trace_event(const StreamArgs& a, TraceEvent event) {
+  if (a.trace != nullptr && threadIdx.x == 0) {
+    int64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    a.trace[blockIdx.x * kTraceEvents + event] = now;
+  }
+}
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// L2 policy of the streamed weights. Evict-first (ops.set_weights_evict_first): each weight
+// is read once per forward and a forward's weights do not fit L2, so they should not push out
+// what is read again soon: activations, partial sums, counters and the kernels' own code.
+__device__ __forceinline__ uint64_t weight_policy(bool evict_first) {
+  uint64_t first, normal;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
+  asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
+  return evict_first ? first : normal;
+}
+
 // A streamed weight load: read-only path, not kept in L1 (each weight is used by one block).
 // volatile keeps the prologue's loads ahead of griddepcontrol.wait.
 template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load_stream(const T* p) {
+__device__ __forceinline__ Pack<T, N> load_stream(const T* p, uint64_t policy) {
   constexpr int kBytes = sizeof(T) * N;
   Pack<T, N> out;
   if constexpr (kBytes == 16) {
     uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
+                 : "l"(p), "l"(policy));
     memcpy(&out, &r, 16);
   } else if constexpr (kBytes == 8) {
     uint2 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v2.u32 {%0,%1}, [%2], %3;"
                  : "=r"(r.x), "=r"(r.y)
-                 : "l"(p));
+                 : "l"(p), "l"(policy));
     memcpy(&out, &r, 8);
   } else if constexpr (kBytes == 4) {
     unsigned r;
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;"
+                 : "=r"(r)
+                 : "l"(p), "l"(policy));
     memcpy(&out, &r, 4);
   } else {
     static_assert(kBytes == 2, "weight loads are 2, 4, 8 or 16 bytes");
     unsigned short r;
-    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.u16 %0, [%1], %2;"
+                 : "=h"(r)
+                 : "l"(p), "l"(policy));
     memcpy(&out, &r, 2);
   }
   return out;
+}
+
+// GPU-scope counting by thread 0 of a block, after a barrier that orders the block's other
+// threads' writes before it (CUTLASS's semaphores use the same pattern), instead of a
+// sequentially consistent fence (__threadfence()) in every thread.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ void atomic_add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 template <typename T>
@@ -208,7 +252,8 @@ __device__ float block_sum(float v, float* scratch) {
 }
 
 // Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
-// in split order (deterministic), kBatch loads in flight at a time.
+// in split order (deterministic), kBatch loads in flight at a time. (Batching 16 splits of two
+// elements at once measured slower on an H100: BENCHMARKS.md.)
 __device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
   constexpr int kBatch = 8;
   const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
@@ -258,17 +303,17 @@ __device__ __forceinline__ void store_output(const StreamArgs& a, int b, int c, 
 }
 
 // Complete pre-activations of an output tile, pre(c, n) with n = b * L_out + l: in the
-// finishing block's shared memory, in the workspace (written by other blocks: read through
-// L2), or in a cuBLAS result.
-struct SharedPre {
-  const float* p;
-  int c_lo, stride;
-  __device__ float operator()(int c, int n) const { return p[(c - c_lo) * stride + n]; }
-};
-struct WorkspacePre {
-  const float* p;
-  int64_t stride;
-  __device__ float operator()(int c, int n) const { return __ldcg(p + c * stride + n); }
+// finishing block's shared memory or in the workspace (written by other blocks: read through
+// L2); or in a cuBLAS result. One type for both streaming cases, so that the finishing code
+// exists once per kernel (one copy per source made it ~110 KB of SASS: BENCHMARKS.md).
+struct TilePre {
+  const float* shared;  // [c - c_lo][n], or null: in the workspace
+  const float* ws;
+  int c_lo, positions;
+  int64_t nt;
+  __device__ float operator()(int c, int n) const {
+    return shared ? shared[(c - c_lo) * positions + n] : __ldcg(ws + c * nt + n);
+  }
 };
 template <typename T>
 struct GemmPre {
@@ -278,25 +323,33 @@ struct GemmPre {
 };
 
 // GroupNorm -> Mish -> epilogue over one group's channels [c_lo, c_hi) of batch rows
-// [b_lo, b_hi). The statistics are two-pass (no cancellation), per batch row.
+// [b_lo, b_hi), kStats rows at a time. The statistics are two-pass (no cancellation), per
+// batch row. A thread's first two elements' epilogue inputs are requested before the
+// statistics, so their round trip overlaps the reductions. Loops are not unrolled: this code
+// runs once per tile, and unrolling only multiplied its size.
 template <typename T, typename Pre>
 __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, int c_hi, int b_lo,
                                 int b_hi, float* scratch, float2* stats) {
   const int L = a.lout;
   const int per_batch = (c_hi - c_lo) * L;
-  const int count = (b_hi - b_lo) * per_batch;
-  const auto element = [&](int i, int& b, int& c, int& l) {
-    b = b_lo + i / per_batch;
-    const int r = i % per_batch;
-    c = c_lo + r / L;
-    l = r % L;
-  };
-  const auto compute_stats = [&](int b0, int b1) {
+  for (int b0 = b_lo; b0 < b_hi; b0 += kStats) {
+    const int b1 = min(b0 + kStats, b_hi);
+    const int count = (b1 - b0) * per_batch;
+    const auto epilogue_of = [&](int i) {
+      const int b = b0 + i / per_batch, r = i % per_batch;
+      return load_epilogue<T>(a, b, c_lo + r / L, r % L);
+    };
+    const int i0 = threadIdx.x, i1 = threadIdx.x + kThreads;
+    const Epilogue held0 = i0 < count ? epilogue_of(i0) : Epilogue{};
+    const Epilogue held1 = i1 < count ? epilogue_of(i1) : Epilogue{};
+#pragma unroll 1
     for (int b = b0; b < b1; ++b) {
       float s = 0.f;
+#pragma unroll 1
       for (int i = threadIdx.x; i < per_batch; i += kThreads) s += pre(c_lo + i / L, b * L + i % L);
       const float mean = block_sum(s, scratch) / per_batch;
       float sq = 0.f;
+#pragma unroll 1
       for (int i = threadIdx.x; i < per_batch; i += kThreads) {
         const float d = pre(c_lo + i / L, b * L + i % L) - mean;
         sq += d * d;
@@ -305,48 +358,14 @@ __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, i
       if (threadIdx.x == 0) stats[b - b0] = make_float2(mean, rstd);
     }
     __syncthreads();
-  };
-  const auto finish = [&](int i, int b0, const Epilogue& e) {
-    int b, c, l;
-    element(i, b, c, l);
-    const float2 st = stats[b - b0];
-    const float v = mish((pre(c, b * L + l) - st.x) * st.y * e.gamma + e.beta);
-    store_output<T>(a, b, c, l, apply_epilogue(e, v));
-  };
-  if (b_hi - b_lo <= kStats) {
-    // The common case: the epilogue's inputs of a thread's first elements are requested
-    // before the statistics, so their round trip overlaps the reductions.
-    constexpr int kHeld = 4;
-    Epilogue held[kHeld];
-#pragma unroll
-    for (int j = 0; j < kHeld; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (i < count) {
-        int b, c, l;
-        element(i, b, c, l);
-        held[j] = load_epilogue<T>(a, b, c, l);
-      }
-    }
-    compute_stats(b_lo, b_hi);
-#pragma unroll
-    for (int j = 0; j < kHeld; ++j) {
-      const int i = threadIdx.x + j * kThreads;
-      if (i < count) finish(i, b_lo, held[j]);
-    }
-    for (int i = threadIdx.x + kHeld * kThreads; i < count; i += kThreads) {
-      int b, c, l;
-      element(i, b, c, l);
-      finish(i, b_lo, load_epilogue<T>(a, b, c, l));
-    }
-    return;
-  }
-  for (int b0 = b_lo; b0 < b_hi; b0 += kStats) {
-    const int b1 = min(b0 + kStats, b_hi);
-    compute_stats(b0, b1);
-    for (int i = (b0 - b_lo) * per_batch + threadIdx.x; i < (b1 - b_lo) * per_batch; i += kThreads) {
-      int b, c, l;
-      element(i, b, c, l);
-      finish(i, b0, load_epilogue<T>(a, b, c, l));
+    trace_event(a, kTraceNormalized);
+#pragma unroll 1
+    for (int i = threadIdx.x; i < count; i += kThreads) {
+      const Epilogue e = i == i0 ? held0 : i == i1 ? held1 : epilogue_of(i);
+      const int b = b0 + i / per_batch, r = i % per_batch, c = c_lo + r / L, l = r % L;
+      const float2 st = stats[b - b0];
+      const float v = mish((pre(c, b * L + l) - st.x) * st.y * e.gamma + e.beta);
+      store_output<T>(a, b, c, l, apply_epilogue(e, v));
     }
     __syncthreads();  // stats is rewritten by the next pass
   }
@@ -354,44 +373,41 @@ __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, i
 
 // Output tile `unit` of a conv: channels [unit * unit_rows, ...). Adds up the splits' partial
 // sums and the bias into shared memory when the tile fits (else into split 0's workspace
-// slot), then GroupNorm etc. or the plain epilogue.
+// slot), then GroupNorm etc. or the plain epilogue. Not inlined: a program's conv bodies
+// share one copy.
 template <typename T>
-__device__ void finish_conv_tile(const StreamArgs& a, int unit, float* shared, int shared_floats,
-                                 float* scratch, float2* stats) {
+__device__ __noinline__ void finish_conv_tile(const StreamArgs& a, int unit, float* shared,
+                                              int shared_floats, float* scratch, float2* stats) {
   const int c_lo = unit * a.unit_rows, c_hi = min(c_lo + a.unit_rows, a.m);
   const int P = a.positions;
   const int count = (c_hi - c_lo) * P;
-  const bool in_shared = count <= shared_floats;
+  const TilePre pre{count <= shared_floats ? shared : nullptr, a.ws, c_lo, P, a.nt};
+  trace_event(a, kTraceFinishing);
+#pragma unroll 1
   for (int i = threadIdx.x; i < count; i += kThreads) {
     const int c = c_lo + i / P, n = i % P;
     const float s = add_splits(a, static_cast<int64_t>(c) * a.nt + n,
                                a.bias ? load_float<T>(a.bias, c) : 0.f);
-    if (in_shared) {
+    if (pre.shared) {
       shared[i] = s;
     } else {
       a.ws[static_cast<int64_t>(c) * a.nt + n] = s;
     }
   }
   __syncthreads();
-  if (a.groups > 0) {
-    if (in_shared) {
-      normalize_group<T>(a, SharedPre{shared, c_lo, P}, c_lo, c_hi, 0, a.batch, scratch, stats);
-    } else {
-      normalize_group<T>(a, WorkspacePre{a.ws, a.nt}, c_lo, c_hi, 0, a.batch, scratch, stats);
-    }
-    return;
-  }
+  trace_event(a, kTraceSummed);
+  if (a.groups > 0) return normalize_group<T>(a, pre, c_lo, c_hi, 0, a.batch, scratch, stats);
+#pragma unroll 1
   for (int i = threadIdx.x; i < count; i += kThreads) {
     const int c = c_lo + i / P, n = i % P, b = n / a.lout, l = n % a.lout;
-    const float v = in_shared ? shared[i] : __ldcg(a.ws + static_cast<int64_t>(c) * a.nt + n);
-    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), v));
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), pre(c, n)));
   }
 }
 
 // Output tile `unit` of a transposed conv: channels [c_lo, c_hi), whose GEMM rows are
 // c * K + k. Each output position gathers the taps that land on it.
 template <typename T>
-__device__ void finish_transposed_tile(const StreamArgs& a, int unit) {
+__device__ __noinline__ void finish_transposed_tile(const StreamArgs& a, int unit) {
   const int K = a.ksize;
   const int c_lo = unit * (a.unit_rows / K), c_hi = min(c_lo + a.unit_rows / K, a.cout);
   const int count = (c_hi - c_lo) * a.batch * a.lout;
@@ -408,6 +424,17 @@ __device__ void finish_transposed_tile(const StreamArgs& a, int unit) {
   }
 }
 
+// Copies a block's arguments into shared memory (all threads call it; no barrier before).
+__device__ __forceinline__ void copy_args(StreamArgs& shared_args, const StreamArgs& a) {
+  constexpr int kWords = sizeof(StreamArgs) / sizeof(int);
+  static_assert(sizeof(StreamArgs) % sizeof(int) == 0 && kWords <= kThreads,
+                "StreamArgs is copied as words, one per thread");
+  if (threadIdx.x < kWords) {
+    reinterpret_cast<int*>(&shared_args)[threadIdx.x] = reinterpret_cast<const int*>(&a)[threadIdx.x];
+  }
+  __syncthreads();
+}
+
 // After a block's partial sums are in the workspace: counts rows [r_lo, r_hi) on the
 // counters of the output tiles they belong to, and finishes each tile it completed (its
 // shared memory, now free, can hold the tile's pre-activations).
@@ -418,8 +445,9 @@ __device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float
   __shared__ int num_finish_units;
   __shared__ float scratch[kWarps];
   __shared__ float2 stats[kStats];
-  // Publish this block's partial sums before counting them (release side).
-  __threadfence();
+  __shared__ StreamArgs finishing;
+  // The barrier orders every thread's partial sums before thread 0's count, whose release
+  // publishes them; its acquire makes the other blocks' visible where it completes a tile.
   __syncthreads();
   if (threadIdx.x == 0) {
     int n = 0;
@@ -427,28 +455,30 @@ __device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float
       const int u_lo = u * a.unit_rows, u_hi = min(u_lo + a.unit_rows, a.m);
       const int contribution = min(r_hi, u_hi) - max(r_lo, u_lo);
       const int target = (u_hi - u_lo) * a.splits * a.n_tiles;
-      if (atomicAdd(a.counters + u, contribution) + contribution == target) finish_units[n++] = u;
+      if (atomic_add_acq_rel(a.counters + u, contribution) + contribution == target) finish_units[n++] = u;
     }
     num_finish_units = n;
   }
   __syncthreads();
+  trace_event(a, kTraceArrived);
   const int n = num_finish_units;
+  // The finishing code is not inlined and takes its arguments by reference: from shared
+  // memory, since a kernel parameter's address would make every thread of every block copy
+  // all the parameters to local memory as it starts.
+  if (n > 0) copy_args(finishing, a);
   for (int i = 0; i < n; ++i) {
-    __threadfence();  // acquire side: every other block's partial sums are visible
     if constexpr (kTransposed) {
-      finish_transposed_tile<T>(a, finish_units[i]);
+      finish_transposed_tile<T>(finishing, finish_units[i]);
     } else {
-      finish_conv_tile<T>(a, finish_units[i], shared, shared_floats, scratch, stats);
+      finish_conv_tile<T>(finishing, finish_units[i], shared, shared_floats, scratch, stats);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       a.counters[finish_units[i]] = 0;  // ready for the next launch
-      if (a.done) {
-        __threadfence();  // the tile's outputs (every thread's, ordered by the barrier)
-        atomicAdd(a.done, 1);
-      }
+      if (a.done) atomic_add_release(a.done, 1);  // the tile's outputs, ordered by the barrier
     }
   }
+  if (n > 0) trace_event(a, kTraceFinished);
 }
 
 // Weight rows per warp of the Conv1d-layout kernel: about 32 accumulators, and 16 fp32
@@ -496,8 +526,10 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
   const int e_end = min(e_begin + a.split_len, a.red);
   const int chunks = (e_end - e_begin + kChunk - 1) / kChunk;
   const T* weight = static_cast<const T*>(a.weight);
+  trace_event(a, kTraceStart);
 
   // Rows past the end are never loaded; their sums stay garbage and are never written.
+  const uint64_t policy = weight_policy(a.weights_evict_first);
   Pack<T, EPL> w[DEPTH][R];
   const auto load_chunk = [&](int d, int chunk) {
     const int e = e_begin + chunk * kChunk + lane * EPL;
@@ -505,25 +537,28 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
 #pragma unroll
       for (int r = 0; r < R; ++r)
         if (row0 + r < a.m)
-          w[d][r] = load_stream<T, EPL>(weight + static_cast<int64_t>(row0 + r) * a.red + e);
+          w[d][r] = load_stream<T, EPL>(weight + static_cast<int64_t>(row0 + r) * a.red + e, policy);
     }
   };
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) load_chunk(d, d);
   if (a.prefetch) {
     // The rest of this block's weights: on their way to L2 while the previous kernel ends.
+    // Rolled loops: this runs once per block, and unrolled it was most of the prologue's code.
     const int64_t first = e_begin + DEPTH * kChunk;
     const int64_t bytes = (e_end - first) * static_cast<int64_t>(sizeof(T));
-#pragma unroll
+#pragma unroll 1
     for (int r = 0; r < R; ++r) {
       if (row0 + r >= a.m) continue;
       const char* row = reinterpret_cast<const char*>(weight + static_cast<int64_t>(row0 + r) * a.red + first);
+#pragma unroll 1
       for (int64_t offset = lane * 128; offset < bytes; offset += 32 * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + offset));
     }
   }
   allow_dependents();
   wait();  // the input comes from the previous kernel (or stage)
+  trace_event(a, kTraceWaited);
 
   // Stage the block's im2col slice. Each thread takes reduction columns (one (channel, tap)
   // each: one division) and loads that column at all NT positions at once, so it waits for one
@@ -561,6 +596,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
     for (int n = 0; n < NT; ++n) staged[n * a.split_len + slot] = v[n];
   }
   __syncthreads();
+  trace_event(a, kTraceStaged);
 
   float acc[R * NT];
 #pragma unroll
@@ -602,6 +638,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
     }
   }
 
+  trace_event(a, kTraceComputed);
   int base = 0;
   transpose_reduce<R * NT, 16>(acc, lane, base);
   constexpr int kOwned = R * NT >= 32 ? R * NT / 32 : 1;
@@ -641,13 +678,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   __shared__ StreamArgs problem;
   const bool first = blockIdx.x < a_tiles;
   if (blockIdx.y >= (first ? a.splits : b.splits)) return;
-  constexpr int kWords = sizeof(StreamArgs) / sizeof(int);
-  static_assert(sizeof(StreamArgs) % sizeof(int) == 0, "StreamArgs is copied as words");
-  if (threadIdx.x < kWords) {
-    reinterpret_cast<int*>(&problem)[threadIdx.x] =
-        reinterpret_cast<const int*>(first ? &a : &b)[threadIdx.x];
-  }
-  __syncthreads();
+  copy_args(problem, first ? a : b);
   stream_conv_tile<T, NT, R, EPL>(problem, first ? blockIdx.x : blockIdx.x - a_tiles, blockIdx.y,
                                   blockIdx.z, WaitForProducer{});
 }
@@ -672,16 +703,20 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
   const int c_end = min(c_begin + a.split_len, a.red);
   const int rows = max(0, (c_end - c_begin - warp + kWarps - 1) / kWarps);
   const T* weight = static_cast<const T*>(a.weight);
+  trace_event(a, kTraceStart);
 
+  const uint64_t policy = weight_policy(a.weights_evict_first);
   Pack<T, EPL> w[kDepthTransposed];
   const auto load_row = [&](int d, int i) {
     if (active && i < rows)
-      w[d] = load_stream<T, EPL>(weight + static_cast<int64_t>(c_begin + warp + kWarps * i) * a.m + col);
+      w[d] = load_stream<T, EPL>(weight + static_cast<int64_t>(c_begin + warp + kWarps * i) * a.m + col,
+                                 policy);
   };
 #pragma unroll
   for (int d = 0; d < kDepthTransposed; ++d) load_row(d, d);
   allow_dependents();
   wait();
+  trace_event(a, kTraceWaited);
 
   // Stage x[b, ci, j] for the block's input channels at n = b * L_in + j: one channel per
   // thread at a time, all NT positions' loads in flight together.
@@ -699,6 +734,7 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
     for (int q = 0; q < NT; ++q) staged[c * NT + q] = v[q];
   }
   __syncthreads();
+  trace_event(a, kTraceStaged);
 
   float acc[V];
 #pragma unroll
@@ -725,6 +761,7 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
     }
   }
 
+  trace_event(a, kTraceComputed);
   // Sum the warps (a tree through shared memory, laid out [value][warp][lane]).
   float* partial = shared;
   for (int half = kWarps / 2; half >= 1; half /= 2) {
@@ -801,11 +838,11 @@ struct WaitForStage {
     if (count != nullptr && threadIdx.x == 0) {
       if (relaxed) {
         while (load_relaxed(count) < target) __nanosleep(32);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
       } else {
         while (load_acquire(count) < target) {
         }
       }
-      __threadfence();
     }
     __syncthreads();
   }
@@ -856,9 +893,6 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     program_kernel(const ProgramStage* stages, int num_stages, int* done, int options) {
   __shared__ StreamArgs problem;
-  constexpr int kWords = sizeof(StreamArgs) / sizeof(int);
-  static_assert(sizeof(StreamArgs) % sizeof(int) == 0 && kWords <= kThreads,
-                "StreamArgs is copied as words, one per thread");
   for (int s = 0; s < num_stages; ++s) {
     const ProgramStage& stage = stages[s];
     const int gx = stage.grid_x, gxy = gx * stage.grid_y, blocks = gxy * stage.grid_z;
@@ -870,9 +904,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
       const StreamArgs& source = first ? stage.a : stage.b;
       if (y >= source.splits) continue;
       __syncthreads();  // the previous block's work has finished reading `problem`
-      if (threadIdx.x < kWords)
-        reinterpret_cast<int*>(&problem)[threadIdx.x] = reinterpret_cast<const int*>(&source)[threadIdx.x];
-      __syncthreads();
+      copy_args(problem, source);
       run_program_unit<T>(stage.kind, problem, first ? x : x - stage.a_tiles, y, z, wait);
     }
   }
@@ -913,6 +945,7 @@ StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tens
   a.x_sl = x.stride(2);
   a.x_split = static_cast<int>(p.in_channels);
   a.weight = weight.data_ptr();
+  a.weights_evict_first = weights_evict_first.load();
   a.bias = optional_data(bias);
   a.residual = optional_data(residual);
   a.out = out.data_ptr();
@@ -1077,6 +1110,13 @@ struct StreamProgram::Impl {
   std::string failure;
   bool ended = false;
 
+  void launch(const at::Tensor& stages_on_device, const char* method) const;
+  static at::Tensor upload(const std::vector<ProgramStage>& stages, const at::TensorOptions& options) {
+    const int64_t bytes = static_cast<int64_t>(stages.size() * sizeof(ProgramStage));
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(host.data_ptr(), stages.data(), bytes);
+    return host.to(options.device());
+  }
   void fail(const std::string& why) {
     if (failure.empty()) failure = why;
   }
@@ -1472,20 +1512,48 @@ void StreamProgram::end() {
     p.stages[s].b.done = p.done.data_ptr<int>() + s;
     if (program_options.load() & kProgramNoPrefetch) p.stages[s].a.prefetch = p.stages[s].b.prefetch = false;
   }
-  const int64_t bytes = static_cast<int64_t>(p.stages.size() * sizeof(ProgramStage));
-  at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-  std::memcpy(host.data_ptr(), p.stages.data(), bytes);
-  p.device_stages = host.to(p.options->device());
+  p.device_stages = Impl::upload(p.stages, *p.options);
 }
 
 bool StreamProgram::produced(const at::Tensor& t) const {
   return Impl::contains(impl_->outputs, t.data_ptr());
 }
 
-void StreamProgram::run() const {
+void StreamProgram::run() const { impl_->launch(impl_->device_stages, "run"); }
+
+at::Tensor StreamProgram::run_traced() const {
   const Impl& p = *impl_;
-  TORCH_CHECK(p.ended, "StreamProgram.run: the program is still being recorded (call end())");
-  TORCH_CHECK(p.failure.empty(), "StreamProgram.run: the recording failed: ", p.failure);
+  std::vector<ProgramStage> traced = p.stages;
+  at::Tensor trace;
+  if (p.ended && p.failure.empty()) {
+    trace = at::zeros({num_stages(), p.grid, kTraceEvents}, p.options->dtype(at::kLong));
+    for (size_t s = 0; s < traced.size(); ++s) {
+      traced[s].a.trace = traced[s].b.trace = trace.data_ptr<int64_t>() + s * p.grid * kTraceEvents;
+    }
+  }
+  p.launch(p.ended && p.failure.empty() ? Impl::upload(traced, *p.options) : at::Tensor(), "run_traced");
+  return trace;
+}
+
+std::vector<std::string> StreamProgram::stage_names() const {
+  std::vector<std::string> names;
+  for (const ProgramStage& stage : impl_->stages) {
+    const bool transposed = stage.kind >= program_kind(true, 0, false);
+    const auto name = [transposed](const StreamArgs& a) {
+      const int cin = transposed ? a.red : a.red / a.ksize;
+      return std::string(transposed ? "conv_transpose1d " : a.groups ? "conv1d_gn_mish " : "conv1d ") +
+             std::to_string(cin) + "->" + std::to_string(a.cout) + " k" + std::to_string(a.ksize) + " L" +
+             std::to_string(a.lin);
+    };
+    names.push_back(stage.a_tiles < stage.grid_x ? name(stage.a) + " + " + name(stage.b) : name(stage.a));
+  }
+  return names;
+}
+
+void StreamProgram::Impl::launch(const at::Tensor& stages_on_device, const char* method) const {
+  TORCH_CHECK(ended, "StreamProgram.", method, ": the program is still being recorded (call end())");
+  TORCH_CHECK(failure.empty(), "StreamProgram.", method, ": the recording failed: ", failure);
+  const Impl& p = *this;
   const c10::cuda::CUDAGuard guard(p.options->device());
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(p.grid);
@@ -1498,7 +1566,7 @@ void StreamProgram::run() const {
   config.attrs = attribute;
   config.numAttrs = 1;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, p.kernel,
-                                    reinterpret_cast<const ProgramStage*>(p.device_stages.data_ptr()),
+                                    reinterpret_cast<const ProgramStage*>(stages_on_device.data_ptr()),
                                     static_cast<int>(p.stages.size()), p.done.data_ptr<int>(),
                                     program_options.load()));
 }

@@ -50,6 +50,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
   m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
         "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
+  m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
+        "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
   m.def("set_program_options", [](int options) { return dpa::program_options.exchange(options); },
         "Sets StreamProgram's measurement variants (bit mask, see conv1d.h); returns the old value.");
   // Used by GraphedSampler (sampler._UNetProgram); see dpa::StreamProgram in conv1d.h.
@@ -62,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end", &dpa::StreamProgram::end)
       .def("produced", &dpa::StreamProgram::produced)
       .def("run", &dpa::StreamProgram::run)
+      .def("run_traced", &dpa::StreamProgram::run_traced)
+      .def("stage_names", &dpa::StreamProgram::stage_names)
       .def_property_readonly("num_stages", &dpa::StreamProgram::num_stages)
       .def_property_readonly("failure", &dpa::StreamProgram::failure);
 #endif

@@ -39,6 +39,15 @@ def set_pdl(enabled: bool) -> bool:
     return bool(_C.set_pdl(bool(enabled)))
 
 
+def set_weights_evict_first(enabled: bool) -> bool:
+    """Whether the streaming conv kernels load their weights with an evict-first L2 policy
+    (on by default), so that a forward's weights, read once each, do not push its
+    activations, partial sums and the kernels' code out of L2; returns the previous setting.
+    Process-wide, read when a kernel is launched or a graph captured; meant for measuring
+    what it buys."""
+    return bool(_C.set_weights_evict_first(bool(enabled)))
+
+
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    num_groups: int, eps: float = 1e-5, *, film: Optional[torch.Tensor] = None,

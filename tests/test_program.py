@@ -128,3 +128,48 @@ def test_undeclared_input_fails_the_recording():
     with recording_program(program):
         ops.conv1d(x, w, None, 1, 1)
     assert "not declared" in program.failure
+
+
+@needs_cuda
+def test_traced_run_computes_the_same_and_stamps_every_stage():
+    """run_traced (scripts/trace_program.py) gives the same output as run, and a timeline
+    where every stage's blocks move forward in time and some block finishes its tiles."""
+    single, _, _ = paired_samplers("cuda", torch.float32, "ddim", [32, 64, 128], steps=4)
+    program = single._program((1, 16, False))
+    with torch.inference_mode():
+        program.sample.normal_()
+        program.film.normal_()
+        expected = program.run().clone()
+        trace = program.program.run_traced()
+        assert torch.equal(program.output, expected)
+    stages = program.program.num_stages
+    names = program.program.stage_names()
+    assert len(names) == stages and names[0].startswith("conv1d_gn_mish")
+    assert trace.dtype == torch.int64 and trace.shape[0] == stages and trace.shape[2] == 9
+    trace = trace.cpu()
+    for s in range(stages):
+        used = trace[s, :, 0] > 0  # start, waited, staged, computed, counted
+        assert used.any()
+        steps = trace[s][used][:, :5]
+        assert (steps[:, 1:] >= steps[:, :-1]).all()
+        assert (trace[s, :, 8] > 0).any()  # some block finished the stage's tiles
+        if s > 0:  # released only after every block of the previous stage streamed its weights
+            assert trace[s][used][:, 1].min() >= trace[s - 1, :, 3].max()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_l2_policy_does_not_change_results(dtype):
+    """The evict-first switch changes where weights live in L2, never what is computed."""
+    _, per_conv, schedule = paired_samplers("cuda", dtype, "ddim", [32, 64, 128], steps=4)
+    inputs = make_inputs(1, "cuda", 0, len(schedule.timesteps))
+    expected = per_conv(**inputs)
+    previous = ops.set_weights_evict_first(True)
+    try:
+        for evict_first in (False, True):
+            ops.set_weights_evict_first(evict_first)
+            for single_kernel in (False, True):
+                sampler = GraphedSampler(per_conv.unet, schedule, single_kernel_unet=single_kernel)
+                assert torch.equal(sampler(**inputs), expected)
+    finally:
+        ops.set_weights_evict_first(previous)
