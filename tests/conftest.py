@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -23,3 +25,19 @@ def poison_allocator(device, numel, dtype):
     """Leave a NaN-filled block of the output's size in the allocator's free list, so that an
     op allocating its output there and failing to write an element shows NaN."""
     torch.full((numel,), float("nan"), dtype=dtype, device=device)
+
+
+def check_bad_input(op, args, change, error, text, device):
+    """`op(**args)` with `change` applied (its tensors moved to `device`) must raise `error`
+    with `text` in the message: the bad-input tables of the op tests."""
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
+    with pytest.raises(error, match=re.escape(text)):
+        op(**args)
+
+
+def check_mixed_devices(op, args, name):
+    """`op(**args)`, every tensor on CUDA but `name` moved to the CPU, must raise a
+    RuntimeError naming it (x is checked against weight, so the message names weight)."""
+    args[name] = args[name].cpu()
+    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
+        op(**args)

@@ -1,6 +1,5 @@
 """conv1d (Conv1d / ConvTranspose1d + bias + residual) against a float64 PyTorch reference, on
 CPU and (where present) CUDA."""
-import re
 
 import pytest
 import torch
@@ -8,7 +7,7 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D
-from conftest import DEVICES, poison_allocator
+from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
 
 # Tolerances per dtype, on outputs of size ~1 (weights scaled like PyTorch's default init):
 #  fp32: fp32 accumulation of up to ~4k products: ~1e-6, margin x100.
@@ -171,10 +170,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_input_raises(change, error, text, device):
-    args = good_args(device)
-    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
-    with pytest.raises(error, match=re.escape(text)):
-        ops.conv1d(**args)
+    check_bad_input(ops.conv1d, good_args(device), change, error, text, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,9 +186,7 @@ def test_mixed_devices_raise(name):
     args = good_args("cuda")
     args.update(residual=torch.randn(2, 8, 3, device="cuda"),
                 counters=torch.zeros(8, dtype=torch.int32, device="cuda"))
-    args[name] = args[name].cpu()
-    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
-        ops.conv1d(**args)
+    check_mixed_devices(ops.conv1d, args, name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

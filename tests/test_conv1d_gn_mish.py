@@ -1,5 +1,4 @@
 """conv1d_gn_mish against a float64 PyTorch reference, on CPU and (where present) CUDA."""
-import re
 
 import pytest
 import torch
@@ -7,7 +6,7 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
-from conftest import DEVICES, poison_allocator
+from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
 
 # Tolerances per dtype (compared after the output is rounded to that dtype):
 #  fp32: fp32 accumulation of up to ~20k products, then normalisation: ~1e-5, margin x10.
@@ -222,10 +221,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_input_raises(change, error, text, device):
-    args = good_args(device)
-    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
-    with pytest.raises(error, match=re.escape(text)):
-        ops.conv1d_gn_mish(**args)
+    check_bad_input(ops.conv1d_gn_mish, good_args(device), change, error, text, device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -235,9 +231,7 @@ def test_mixed_devices_raise(name):
     args = good_args("cuda")
     args.update(film=torch.randn(2, 16, device="cuda"), residual=torch.randn(2, 8, 6, device="cuda"),
                 counters=torch.zeros(8, dtype=torch.int32, device="cuda"))
-    args[name] = args[name].cpu()
-    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
-        ops.conv1d_gn_mish(**args)
+    check_mixed_devices(ops.conv1d_gn_mish, args, name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

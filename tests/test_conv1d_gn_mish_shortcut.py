@@ -2,14 +2,13 @@
 shortcut conv of the same input) against float64 PyTorch references, on CPU and (where
 present) CUDA. Both outputs use conv1d_gn_mish's per-dtype tolerances (test_conv1d_gn_mish):
 the shortcut is a plain conv with fp32 accumulation, well inside them."""
-import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
-from conftest import DEVICES, poison_allocator
+from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 
 # (batch, in_channels, out_channels, length, kernel_size, groups) of the residual blocks that
@@ -159,10 +158,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change,error,text", BAD_INPUTS, ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_input_raises(change, error, text, device):
-    args = good_args(device)
-    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in change.items()})
-    with pytest.raises(error, match=re.escape(text)):
-        ops.conv1d_gn_mish_shortcut(**args)
+    check_bad_input(ops.conv1d_gn_mish_shortcut, good_args(device), change, error, text, device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -170,6 +166,4 @@ def test_bad_input_raises(change, error, text, device):
 def test_mixed_devices_raise(name):
     args = good_args("cuda")
     args.update(film=torch.randn(2, 16, device="cuda"), counters=torch.zeros(16, dtype=torch.int32, device="cuda"))
-    args[name] = args[name].cpu()
-    with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
-        ops.conv1d_gn_mish_shortcut(**args)
+    check_mixed_devices(ops.conv1d_gn_mish_shortcut, args, name)
