@@ -3,8 +3,8 @@ each block stamps the global timer at points of its work (StreamProgram.run_trac
 every stage this prints, from the moment the previous stage's last output tile was finished:
 when the blocks were released (median), had staged their input (median), had streamed their
 weights (median and last), had counted their partial sums (last); when the finishing blocks
-had added up their tiles' partial sums and had the GroupNorm statistics (last); and when the
-stage's last tile was finished. Medians over several traced runs.
+had started, had added up their tiles' partial sums and had the GroupNorm statistics (last);
+and when the stage's last tile was finished. Medians over several traced runs.
 
     python scripts/trace_program.py [--unet lowdim] [--dtype float32] [--batch 1] [--runs 5]
                                     [--options 0]   (ops set_program_options bits)
@@ -35,12 +35,11 @@ def weight_mb(name, element_size):
 def stage_rows(trace):
     """Per stage, µs after the previous stage's last tile: (released, staged, computed median,
     computed last, arrived last, finishing started last, summed last, normalized last,
-    finished); and the whole
-    forward's µs. Events a stage's blocks did not reach (stats: no GroupNorm) are nan."""
+    finished); and the whole forward's µs. Events a stage's blocks did not reach (stats: no
+    GroupNorm) are nan."""
     trace = trace.double()
-    rows, previous = [], None
-    first = trace[0, :, START][trace[0, :, START] > 0].min()
-    previous = first
+    rows = []
+    first = previous = trace[0, :, START][trace[0, :, START] > 0].min()
     for s in range(trace.shape[0]):
         t = trace[s]
         used = t[:, START] > 0
