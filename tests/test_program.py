@@ -8,7 +8,7 @@ compares the per-conv path with the float64-checked reference loop.
 import pytest
 import torch
 
-from diffusion_policy_accelerated import ConditionalUnet1D, ops
+from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.sampler import GraphedSampler
 from test_sampler import build, make_inputs
 
