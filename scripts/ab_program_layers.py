@@ -6,34 +6,13 @@ Separates what a program stage costs from what the U-Net's mix of stages costs.
     python scripts/ab_program_layers.py [--dtype float32] [--copies 8]
 """
 import argparse
-import statistics
 
 import torch
+from bench_conv_blocks import graph_time_ms
 
 from diffusion_policy_accelerated import ops
 
 LAYERS = [(1024, 1024, 4), (2048, 512, 4), (512, 512, 8), (256, 256, 16), (2048, 2048, 4)]
-
-
-def replay_ms(fn, replays=30):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():
@@ -50,25 +29,24 @@ def main():
                    for _ in range(args.copies)]
         vec = torch.randn(cout, device="cuda", dtype=dtype)
 
-        def per_conv():
-            return [ops.conv1d_gn_mish(x, w, vec, vec, vec, 8) for w in weights]
+        def layer(i):
+            return ops.conv1d_gn_mish(x, weights[i], vec, vec, vec, 8)
 
         program = ops._C.StreamProgram()
         program.add_input(x)
         program.begin()
-        outs = per_conv()
+        outs = [layer(i) for i in range(args.copies)]
         program.end()
         assert not program.failure, program.failure
         program.run()
         torch.cuda.synchronize()
-        reference = per_conv()
-        same = all(torch.equal(a, b) for a, b in zip(outs, reference))
-        ms_launches = replay_ms(per_conv)
-        ms_program = replay_ms(program.run)
+        same = all(torch.equal(out, layer(i)) for i, out in enumerate(outs))
+        # graph_time_ms: a graph of one call per weight copy, per call; the program is one call.
+        ms_launch = graph_time_ms(layer, args.copies)
+        ms_stage = graph_time_ms(lambda _: program.run(), 1) / args.copies
         mb = weights[0].nbytes / 1e6
-        n = args.copies
-        print(f"{cin:5}->{cout:<5} L{length:<3} {mb:6.2f} MB  per-conv {1e3 * ms_launches / n:7.2f} us/layer"
-              f"  program {1e3 * ms_program / n:7.2f} us/stage  {'same' if same else 'DIFFERENT'}", flush=True)
+        print(f"{cin:5}->{cout:<5} L{length:<3} {mb:6.2f} MB  per-conv {1e3 * ms_launch:7.2f} us/layer"
+              f"  program {1e3 * ms_stage:7.2f} us/stage  {'same' if same else 'DIFFERENT'}", flush=True)
 
 
 if __name__ == "__main__":
