@@ -103,6 +103,8 @@ def test_stream_program_misuse_raises():
     program = ops._C.StreamProgram()
     with pytest.raises(RuntimeError, match="still being recorded"):
         program.run()
+    with pytest.raises(RuntimeError, match="run_traced: the program is still being recorded"):
+        program.run_traced()
     program.begin()
     try:
         with pytest.raises(RuntimeError, match="another program"):
@@ -112,6 +114,9 @@ def test_stream_program_misuse_raises():
     assert program.failure == "no streaming conv was recorded"
     with pytest.raises(RuntimeError, match="recording failed: no streaming conv"):
         program.run()
+    with pytest.raises(RuntimeError, match="run_traced: the recording failed"):
+        program.run_traced()
+    assert program.stage_names() == []
     with pytest.raises(RuntimeError, match="recorded already"):
         program.begin()
     with pytest.raises(ValueError, match="CUDA device"):
