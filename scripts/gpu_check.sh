@@ -17,10 +17,7 @@ status=0
 pack() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
 trap pack EXIT
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/carried_wheels.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
