@@ -5,6 +5,7 @@
 #   scripts/ab_builds.sh OLD_CSRC COMMAND...
 # OLD_CSRC: a csrc/ folder of the other version, e.g. exported here with
 #   mkdir -p old_src && git archive HEAD csrc | tar -x -C old_src     (then OLD_CSRC=old_src/csrc)
+# (untracked, so it travels to the device with the working tree; delete it afterwards).
 # COMMAND runs from the repository root after each build, e.g.
 #   scripts/ab_builds.sh old_src/csrc python3 scripts/benchmark.py --ours-only --batch 1 --schedule DDPM-100
 # The working tree's csrc/ is restored at the end, however the script ends.
