@@ -52,7 +52,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
   m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
         "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
-  m.def("set_program_options", [](int options) { return dpa::program_options.exchange(options); },
+  m.def("set_program_options", [](int options) {
+    constexpr int kAll = dpa::kProgramRelaxedPoll | dpa::kProgramNoPrefetch;
+    TORCH_CHECK_VALUE((options & ~kAll) == 0, "set_program_options: options must be a mask of bits ",
+                      kAll, " (see conv1d.h), got ", options);
+    return dpa::program_options.exchange(options);
+  },
         "Sets StreamProgram's measurement variants (bit mask, see conv1d.h); returns the old value.");
   // Used by GraphedSampler (sampler._UNetProgram); see dpa::StreamProgram in conv1d.h.
   pybind11::class_<dpa::StreamProgram>(m, "StreamProgram",

@@ -178,3 +178,11 @@ def test_weight_l2_policy_does_not_change_results(dtype):
                 assert torch.equal(sampler(**inputs), expected)
     finally:
         ops.set_weights_evict_first(previous)
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("options", [-1, 4, 1 << 20])
+def test_program_options_outside_the_mask_raise(options):
+    with pytest.raises(ValueError, match="set_program_options"):
+        ops._C.set_program_options(options)
+    assert ops._C.set_program_options(0) == 0  # the failed calls changed nothing
