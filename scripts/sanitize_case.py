@@ -8,6 +8,7 @@ import torch
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D
+from diffusion_policy_accelerated.sampler import GraphedSampler
 from diffusion_policy_accelerated.schedulers import DenoiseSchedule
 
 
@@ -57,7 +58,6 @@ def main():
     sample = torch.randn(3, 16, 2, device="cuda")
     for i in range(4):
         sample = sched.step(torch.randn_like(sample), i, sample, noise=torch.randn_like(sample))
-    from diffusion_policy_accelerated.sampler import GraphedSampler
     for dtype, batch in ((torch.float32, 1), (torch.bfloat16, 2)):
         sampler = GraphedSampler(model.to(dtype), sched, use_cuda_graph=False, single_kernel_unet=True)
         mask = torch.zeros(batch, 8, 2, dtype=torch.bool, device="cuda")
