@@ -64,13 +64,14 @@ def main():
     parser.add_argument("--inflight", nargs="+", type=int, default=[3, 6, 12])
     args = parser.parse_args()
     print("compiling the read kernel...", flush=True)
-    ext = load_inline("dpa_bench_stream_blocks", cpp_sources=DECLARATION, cuda_sources=SOURCE, functions=["stream_slice"],
-                      extra_cuda_cflags=["-O3"], verbose=False)
+    ext = load_inline("dpa_bench_stream_blocks", cpp_sources=DECLARATION, cuda_sources=SOURCE,
+                      functions=["stream_slice"], extra_cuda_cflags=["-O3"])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     pool = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, torch {torch.__version__}")
-    print(f"{'MB':>6} {'in flight':>9} " + " ".join(f"{f'{b} blocks: µs':>16} {'GB/s':>6}" for b in (sms, 2 * sms)))
+    columns = " ".join(f"{f'{blocks} blocks: µs':>16} {'GB/s':>6}" for blocks in (sms, 2 * sms))
+    print(f"{'MB':>6} {'in flight':>9} {columns}")
     for mb in args.mb:
         size = int(mb * 1e6) // 4096 * 4096
         slices = len(pool) // size
