@@ -6,15 +6,16 @@ SM where the kernels run two today.
 A read-only kernel streams a layer-sized slice of a 1 GB pool (a different slice each launch,
 so that nothing comes from L2) with 16-byte loads, each thread keeping `inflight` loads in
 flight (the streaming conv keeps 3 requests x 1-4 weight rows). Every launch is one of 64 in a
-CUDA graph, timed with CUDA events; the table gives the median per launch (launch gaps
-included, as in a U-Net forward) and the bandwidth that implies.
+CUDA graph, timed with CUDA events (bench_conv_blocks.graph_time_ms); the table gives the
+median per launch (launch gaps included, as in a U-Net forward) and the bandwidth that
+implies.
 
     python scripts/bench_stream_blocks.py [--mb 2 8 21 84] [--inflight 3 6 12]
 """
 import argparse
-import statistics
 
 import torch
+from bench_conv_blocks import graph_time_ms
 from torch.utils.cpp_extension import load_inline
 
 SOURCE = r"""
@@ -78,21 +79,8 @@ def main():
         for inflight in args.inflight:
             row = []
             for blocks in (sms, 2 * sms):
-                launches = 64
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for i in range(launches):
-                        ext.stream_slice(pool, (i % slices) * size, size, blocks, inflight, sink)
-                graph.replay()
-                times = []
-                for _ in range(7):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3 / launches)
-                us = statistics.median(times)
+                us = 1e3 * graph_time_ms(lambda i: ext.stream_slice(pool, (i % slices) * size, size, blocks,
+                                                                    inflight, sink), copies=64)
                 row.append(f"{us:16.2f} {size / us / 1e3:6.0f}")
             print(f"{mb:6.1f} {inflight:9d} " + " ".join(row), flush=True)
 
