@@ -81,6 +81,10 @@ extern std::atomic<bool> use_pdl;
 // partial sums and code in L2 across a forward; normal for measurement
 // (ops.set_weights_evict_first). Read when a launch is made or recorded.
 extern std::atomic<bool> weights_evict_first;
+// Whether a GroupNorm conv on the streaming route runs as one thread-block cluster per group
+// (Hopper+, where its plan fits: stream_conv_cluster_kernel) instead of split-K blocks with a
+// finishing block. Switchable for measurement (ops.set_cluster_groupnorm).
+extern std::atomic<bool> cluster_groupnorm;
 // Variants of StreamProgram for measurement (ops.set_program_options), a bit mask:
 // kProgramRelaxedPoll: stages wait by relaxed polling with back-off (read at run());
 // kProgramNoPrefetch: no L2 prefetch of a block's weights while it waits (read at end()).
@@ -88,6 +92,15 @@ constexpr int kProgramRelaxedPoll = 1;
 constexpr int kProgramNoPrefetch = 2;
 extern std::atomic<int> program_options;
 constexpr int kTraceEvents = 9;
+
+// Traces the streaming launches made (or captured) on any thread from start to stop, for
+// measurement: each launch's blocks stamp the global timer at the points that
+// StreamProgram::run_traced lists, into the next rows of `buffer` (a CUDA int64 tensor
+// [rows, kTraceEvents], zeros where a block does not get there), one row per block, launch
+// after launch. stop returns the number of blocks (rows) of each launch traced, in order.
+// Recorded programs are not traced this way (StreamProgram::run_traced is).
+void start_launch_trace(const at::Tensor& buffer);
+std::vector<int64_t> stop_launch_trace();
 
 // A recorded sequence of the ops' streaming launches (a U-Net forward at a small batch),
 // replayed as one persistent kernel: run() launches it on the current stream, so it can be

@@ -25,14 +25,17 @@
 // ConvTranspose1d weights [C_in, C_out, K] are columns (stream_conv_transposed_kernel, which
 // computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue);
 // stream_conv_pair_kernel runs two Conv1d-layout problems of one input in one launch (a
-// residual block's first conv and its 1x1 shortcut); program_kernel runs a recorded sequence
-// of these problems as the stages of one persistent launch (experimental: StreamProgram, slower
-// than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions each weight feeds
+// residual block's first conv and its 1x1 shortcut); stream_conv_cluster_kernel runs a
+// GroupNorm conv of short reduction slices as one thread-block cluster per group (Hopper),
+// which meets in distributed shared memory instead of the workspace; program_kernel runs a
+// recorded sequence of these problems as the stages of one persistent launch (experimental:
+// StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions each weight feeds
 // enough outputs that im2col + cuBLAS (or cuDNN) wins; the GroupNorm epilogue is then one
 // more launch (group_norm_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 #include <torch/library.h>
 
@@ -40,7 +43,10 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checks.h"
@@ -48,10 +54,13 @@
 
 namespace dpa {
 
+namespace cg = cooperative_groups;
+
 std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
 std::atomic<bool> use_pdl{true};
 std::atomic<int> program_options{0};
 std::atomic<bool> weights_evict_first{true};
+std::atomic<bool> cluster_groupnorm{true};
 
 namespace {
 
@@ -125,8 +134,12 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
-// A traced program's timeline (StreamProgram::run_traced): per stage and block, the global
-// timer (ns) when the block's last work unit of the stage reached each of these points.
+// A traced program's timeline (StreamProgram::run_traced) or traced launches'
+// (start_launch_trace): per stage or launch and block, the global timer (ns) when the block's
+// last work unit of the stage reached each of these points. stream_conv_cluster_kernel has
+// no finishing block; it stamps kTraceArrived once its cluster's sums are visible, then
+// kTraceSummed, kTraceFinishing (its share's moments taken), kTraceNormalized and
+// kTraceFinished (leaving).
 enum TraceEvent {
   kTraceStart, kTraceWaited, kTraceStaged, kTraceComputed, kTraceArrived,
   kTraceFinishing, kTraceSummed, kTraceNormalized, kTraceFinished  // finishing blocks only
@@ -135,7 +148,8 @@ __device__ __forceinline__ void trace_event(const StreamArgs& a, TraceEvent even
   if (a.trace != nullptr && threadIdx.x == 0) {
     int64_t now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    a.trace[blockIdx.x * kTraceEvents + event] = now;
+    const int block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    a.trace[block * kTraceEvents + event] = now;
   }
 }
 
@@ -512,16 +526,19 @@ __device__ __forceinline__ int staged_position(int el) {
 // The block's work: row tile `tile`, reduction slice `split`, position tile `n_tile` (its
 // blockIdx in a launch of its own). `wait()` returns once the input may be read: called by
 // every thread, after the weight loads are issued.
-template <typename T, int NT, int R, int EPL, int DEPTH = kDepth, typename Wait>
-__device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, int split,
-                                                 int n_tile, const Wait& wait) {
+// Streams rows [tile_lo, row_hi) (at most kWarps * R) over reduction slice `split` at
+// positions n0.. n0 + NT - 1, and leaves the sums reduced across each warp: a lane owns
+// acc[0 .. R * NT / 32) (one value, with copies on other lanes, where R * NT < 32), for
+// rows and positions from `base`: see stream_sum_owner.
+template <typename T, int NT, int R, int EPL, int DEPTH, typename Wait>
+__device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_lo, int row_hi,
+                                                 int split, int n0, const Wait& wait,
+                                                 float (&acc)[R * NT], int& base) {
   extern __shared__ float4 shared_f4[];
   float* staged = reinterpret_cast<float*>(shared_f4);  // [NT][split_len], see staged_position
   constexpr int kChunk = 32 * EPL;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile_lo = tile * kWarps * R;
   const int row0 = tile_lo + warp * R;
-  const int n0 = n_tile * NT;
   const int e_begin = split * a.split_len;
   const int e_end = min(e_begin + a.split_len, a.red);
   const int chunks = (e_end - e_begin + kChunk - 1) / kChunk;
@@ -536,7 +553,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
     if (chunk < chunks && e < e_end) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (row0 + r < a.m)
+        if (row0 + r < row_hi)
           w[d][r] = load_stream<T, EPL>(weight + static_cast<int64_t>(row0 + r) * a.red + e, policy);
     }
   };
@@ -549,7 +566,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
     const int64_t bytes = (e_end - first) * static_cast<int64_t>(sizeof(T));
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
-      if (row0 + r >= a.m) continue;
+      if (row0 + r >= row_hi) continue;
       const char* row = reinterpret_cast<const char*>(weight + static_cast<int64_t>(row0 + r) * a.red + first);
 #pragma unroll 1
       for (int64_t offset = lane * 128; offset < bytes; offset += 32 * 128)
@@ -561,10 +578,11 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
   trace_event(a, kTraceWaited);
 
   // Stage the block's im2col slice. Each thread takes reduction columns (one (channel, tap)
-  // each: one division) and loads that column at all NT positions at once, so it waits for one
-  // round trip per column; the positions' offsets into x (and x2) are worked out once per
-  // block. Plain loads: a tap's neighbours hit L1, and a program's wait for the previous
-  // stage is an acquire, which leaves no stale line in it.
+  // each: one division) and loads kColumns of them at all NT positions at once, so it waits
+  // for one round trip per kColumns columns; the positions' offsets into x (and x2) are
+  // worked out once per block. Plain loads: a tap's neighbours hit L1, and a program's wait
+  // for the previous stage is an acquire, which leaves no stale line in it.
+  constexpr int kColumns = NT >= 16 ? 1 : 32 / NT;  // beyond that, more registers spill
   __shared__ int64_t position_offset[2][NT];
   __shared__ int position_start[NT];
   if (threadIdx.x < NT) {
@@ -577,28 +595,37 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
   }
   __syncthreads();
   const int len = e_end - e_begin;
-  for (int el = threadIdx.x; el < len; el += kThreads) {
-    const int e = e_begin + el;
-    const int c = e / a.ksize, k = e - c * a.ksize;
-    const bool second = c >= a.x_split;
-    const T* column = second ? static_cast<const T*>(a.x2) + (c - a.x_split) * a.x2_sc
-                             : static_cast<const T*>(a.x) + c * a.x_sc;
-    const int64_t* offset = position_offset[second];
-    const int64_t sl = second ? a.x2_sl : a.x_sl;
-    float v[NT];
+  for (int el0 = threadIdx.x; el0 < len; el0 += kColumns * kThreads) {
+    float v[kColumns][NT];
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      const int pos = position_start[n] + k;
-      v[n] = pos >= 0 && pos < a.lin ? static_cast<float>(column[offset[n] + pos * sl]) : 0.f;
+    for (int j = 0; j < kColumns; ++j) {
+      const int el = el0 + j * kThreads;
+      if (el >= len) break;
+      const int e = e_begin + el;
+      const int c = e / a.ksize, k = e - c * a.ksize;
+      const bool second = c >= a.x_split;
+      const T* column = second ? static_cast<const T*>(a.x2) + (c - a.x_split) * a.x2_sc
+                               : static_cast<const T*>(a.x) + c * a.x_sc;
+      const int64_t* offset = position_offset[second];
+      const int64_t sl = second ? a.x2_sl : a.x_sl;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const int pos = position_start[n] + k;
+        v[j][n] = pos >= 0 && pos < a.lin ? static_cast<float>(column[offset[n] + pos * sl]) : 0.f;
+      }
     }
-    const int slot = staged_position<EPL>(el);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) staged[n * a.split_len + slot] = v[n];
+    for (int j = 0; j < kColumns; ++j) {
+      const int el = el0 + j * kThreads;
+      if (el >= len) break;
+      const int slot = staged_position<EPL>(el);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) staged[n * a.split_len + slot] = v[j][n];
+    }
   }
   __syncthreads();
   trace_event(a, kTraceStaged);
 
-  float acc[R * NT];
 #pragma unroll
   for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
   for (int chunk0 = 0; chunk0 < chunks; chunk0 += DEPTH) {
@@ -639,21 +666,40 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
   }
 
   trace_event(a, kTraceComputed);
-  int base = 0;
+  base = 0;
   transpose_reduce<R * NT, 16>(acc, lane, base);
+}
+
+// Calls put(row offset in the tile, position offset in the tile, sum) for each sum of
+// stream_conv_sums' that this lane writes. With fewer than 32 sums, the trailing butterfly
+// stages leave copies on lanes that differ only in their low bits; the lane with those bits
+// clear writes.
+template <int NT, int R, typename Put>
+__device__ __forceinline__ void put_owned_sums(const float (&acc)[R * NT], int base, const Put& put) {
   constexpr int kOwned = R * NT >= 32 ? R * NT / 32 : 1;
-  // With fewer than 32 sums, the trailing butterfly stages leave copies on lanes that differ
-  // only in their low bits; the lane with those bits clear writes.
   constexpr int kCopies = R * NT >= 32 ? 1 : 32 / (R * NT);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane % kCopies == 0) {
 #pragma unroll
-    for (int j = 0; j < kOwned; ++j) {
-      const int r = (base + j) / NT, n = (base + j) % NT;
-      if (row0 + r < a.m)
-        a.ws[(static_cast<int64_t>(split) * a.m + row0 + r) * a.nt + n0 + n] = acc[j];
-    }
+    for (int j = 0; j < kOwned; ++j) put(warp * R + (base + j) / NT, (base + j) % NT, acc[j]);
   }
-  arrive_and_finish<T, false>(a, tile_lo, min(tile_lo + kWarps * R, a.m), staged, NT * a.split_len);
+}
+
+// A split-K block: its sums go to the workspace, and the last block of an output tile
+// finishes it (arrive_and_finish).
+template <typename T, int NT, int R, int EPL, int DEPTH = kDepth, typename Wait>
+__device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, int split,
+                                                 int n_tile, const Wait& wait) {
+  const int tile_lo = tile * kWarps * R, row_hi = min(tile_lo + kWarps * R, a.m);
+  const int n0 = n_tile * NT;
+  float acc[R * NT];
+  int base;
+  stream_conv_sums<T, NT, R, EPL, DEPTH>(a, tile_lo, row_hi, split, n0, wait, acc, base);
+  put_owned_sums<NT, R>(acc, base, [&](int r, int n, float v) {
+    if (tile_lo + r < row_hi) a.ws[(static_cast<int64_t>(split) * a.m + tile_lo + r) * a.nt + n0 + n] = v;
+  });
+  extern __shared__ float4 shared_f4[];
+  arrive_and_finish<T, false>(a, tile_lo, row_hi, reinterpret_cast<float*>(shared_f4), NT * a.split_len);
 }
 
 // A kernel of its own waits for the kernel before it (programmatic dependent launch).
@@ -681,6 +727,127 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   copy_args(problem, first ? a : b);
   stream_conv_tile<T, NT, R, EPL>(problem, first ? blockIdx.x : blockIdx.x - a_tiles, blockIdx.y,
                                   blockIdx.z, WaitForProducer{});
+}
+
+// ---------------------------------------------------------------------------------------
+// GroupNorm convs in thread-block clusters (Hopper). A cluster of row_tiles x splits blocks
+// owns one GroupNorm group: cluster rank tile * splits + split streams its rows over its
+// reduction slice as above, but keeps the sums in its shared memory. The cluster then adds
+// up the splits, takes the group's statistics and applies the epilogue through distributed
+// shared memory behind cluster barriers: no workspace, counters or finishing block, whose
+// dependent global round trips cost 5-7 µs per layer beyond streaming (BENCHMARKS.md).
+constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable size)
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Waits for the previous kernel, then requests a thread's epilogue inputs and bias (FiLM and
+// the residual may come from that kernel), so that their round trip overlaps the staging
+// and streaming instead of delaying a cluster barrier.
+template <typename T>
+struct WaitThenLoadEpilogue {
+  const StreamArgs& a;
+  bool mine;
+  int b, c, l;
+  Epilogue& e;
+  float& bias;
+  __device__ void operator()() const {
+    wait_for_producer();
+    if (mine) {
+      e = load_epilogue<T>(a, b, c, l);
+      bias = a.bias ? load_float<T>(a.bias, c) : 0.f;
+    }
+  }
+};
+
+template <typename T, int NT, int R, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_cluster_kernel(const StreamArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int kTileRows = kWarps * R;
+  static_assert(kTileRows * NT <= kThreads, "a block's share of a group is one element per thread");
+  __shared__ float partial[kTileRows * NT];  // this block's sums, [tile row][position]
+  __shared__ float share_values[kTileRows * NT];
+  __shared__ float4 moments[NT];  // per batch row of the block's share: (count, mean, M2)
+  __shared__ float2 stats[NT];    // per batch row of the group: (mean, rstd)
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int size = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int group_lo = blockIdx.x / size * a.unit_rows;
+  const int tile_lo = group_lo + rank / a.splits * kTileRows;
+  const int row_hi = min(tile_lo + kTileRows, group_lo + a.unit_rows);
+  // The block's share of the group's outputs: rows [share_lo, share_lo + share_rows) of it
+  // at every position, one element per thread, batch row major (each row's elements
+  // contiguous).
+  const int share = (a.unit_rows + size - 1) / size;
+  const int share_lo = min(rank * share, a.unit_rows);
+  const int share_rows = min(share, a.unit_rows - share_lo);
+  const int L = a.lout, per_batch = share_rows * L;
+  const bool mine = static_cast<int>(threadIdx.x) < per_batch * a.batch;
+  const int b = mine ? threadIdx.x / per_batch : 0;
+  const int row = share_lo + (mine ? threadIdx.x % per_batch / L : 0), l = threadIdx.x % L;
+  const int c = group_lo + row;
+  Epilogue e{};
+  float v = 0.f;
+  float acc[R * NT];
+  int base;
+  stream_conv_sums<T, NT, R, EPL, kDepth>(a, tile_lo, row_hi, rank % a.splits, 0,
+                                          WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
+  put_owned_sums<NT, R>(acc, base, [&](int r, int n, float sum) { partial[r * NT + n] = sum; });
+  cluster.sync();  // every block's sums are visible
+  trace_event(a, kTraceArrived);
+
+  if (mine) {
+    // In split order from the bias, as the split-K kernels add them (deterministic).
+    const int tile = row / kTileRows, offset = row % kTileRows * NT + b * L + l;
+    float parts[kMaxClusterBlocks];
+#pragma unroll
+    for (int s = 0; s < kMaxClusterBlocks; ++s)
+      parts[s] = s < a.splits ? *cluster.map_shared_rank(partial + offset, tile * a.splits + s) : 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxClusterBlocks; ++s) v += parts[s];
+    share_values[threadIdx.x] = v;
+  }
+  __syncthreads();
+  trace_event(a, kTraceSummed);
+  // Two-pass moments of the share, a warp per batch row; merged across the cluster below.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  static_assert(kMaxClusterBlocks <= 32, "a lane per block of the cluster");
+  for (int rb = warp; rb < a.batch; rb += kWarps) {
+    const float* values = share_values + rb * per_batch;
+    float sum = 0.f;
+    for (int j = lane; j < per_batch; j += 32) sum += values[j];
+    const float mean = per_batch > 0 ? warp_sum(sum) / per_batch : 0.f;
+    float m2 = 0.f;
+    for (int j = lane; j < per_batch; j += 32) m2 += (values[j] - mean) * (values[j] - mean);
+    m2 = warp_sum(m2);
+    if (lane == 0) moments[rb] = make_float4(static_cast<float>(per_batch), mean, m2, 0.f);
+  }
+  trace_event(a, kTraceFinishing);
+  cluster.sync();  // every block's moments are visible
+  // The group's moments from the blocks' (n, mean, M2), lane q reading block q's, merged
+  // with the parallel form of Chan et al.'s update (no chain of divisions). Butterfly sums
+  // leave the same bits on every lane of every block: every block gets the same statistics.
+  for (int rb = warp; rb < a.batch; rb += kWarps) {
+    const float4 m = lane < size ? *cluster.map_shared_rank(moments + rb, lane) : float4{};
+    const float n = warp_sum(m.x);
+    const float mean = warp_sum(m.x * m.y) / n;
+    const float m2 = warp_sum(m.z + m.x * (m.y - mean) * (m.y - mean));
+    if (lane == 0) stats[rb] = make_float2(mean, rsqrtf(m2 / n + a.eps));
+  }
+  cluster.barrier_arrive();  // this block reads no other block's shared memory from here on
+  __syncthreads();
+  trace_event(a, kTraceNormalized);
+  if (mine) {
+    const float2 st = stats[b];
+    store_output<T>(a, b, c, l, apply_epilogue(e, mish((v - st.x) * st.y * e.gamma + e.beta)));
+  }
+  cluster.barrier_wait();  // nor leaves while another block may still read its shared memory
+  trace_event(a, kTraceFinished);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -969,6 +1136,7 @@ struct StreamLaunch {
   dim3 grid;
   size_t shared_bytes;
   int program_kind;  // -1: a program cannot run this instantiation
+  int cluster_blocks = 1;  // stream_conv_cluster_kernel's blocks per cluster
 };
 
 template <int NT>
@@ -976,6 +1144,19 @@ int program_kind_of(bool transposed, bool vectorised) {
   constexpr int nt_index = NT == 4 ? 0 : NT == 8 ? 1 : NT == 16 ? 2 : -1;
   static_assert(nt_index < kProgramTileCount, "program tiles");
   return nt_index < 0 ? -1 : program_kind(transposed, nt_index, vectorised);
+}
+
+// What a launch of `kernel` must opt into: beyond 48 KB of static + dynamic shared memory,
+// and clusters beyond the portable 8 blocks.
+template <typename... Params>
+void set_kernel_attributes(void (*kernel)(Params...), int cluster_blocks, size_t shared_bytes) {
+  if (shared_bytes > 40 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
+  }
+  if (cluster_blocks > 8) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  }
 }
 
 // Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
@@ -1009,6 +1190,66 @@ StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
           program_kind_of<NT>(false, vectorised)};
 }
 
+// Whether `clusters` clusters of `cluster_blocks` blocks of `kernel` can all be resident at
+// once (cached: the occupancy query is not free, and a U-Net asks about few shapes).
+bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_bytes, int clusters) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, void (*)(StreamArgs), int, size_t>, int> resident;
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, kernel, cluster_blocks, shared_bytes);
+  auto found = resident.find(key);
+  if (found == resident.end()) {
+    set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(cluster_blocks * clusters);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = shared_bytes;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+    found = resident.emplace(key, n).first;
+  }
+  return found->second >= clusters;
+}
+
+// The cluster plan of a GroupNorm conv (stream_conv_cluster_kernel), if it has one: a group's
+// row tiles times as many reduction splits as kMaxClusterBlocks allows, each slice short
+// enough (below) and in shared memory, and every group's cluster resident at once (a second
+// wave would double the time).
+template <typename T, int NT>
+bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int R = conv_rows<T, NT>();
+  if (a.groups == 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
+      at::cuda::getCurrentDeviceProperties()->major < 9) {
+    return false;
+  }
+  const int row_tiles = ceil_div(a.unit_rows, kWarps * R);
+  if (row_tiles > kMaxClusterBlocks) return false;
+  const int granule = 32 * (vectorised ? kVec : 1);
+  const int split_len = ceil_div(ceil_div(a.red, kMaxClusterBlocks / row_tiles), granule) * granule;
+  // Only where a block requests its whole slice before it waits for the previous kernel (at
+  // most kDepth loads per lane and row): with one block per SM where split-K has two, the
+  // cluster kernel has half the weight bytes in flight, and on longer slices that costs more
+  // than its shorter finishing saves (scripts/trace_conv.py, BENCHMARKS.md).
+  if (split_len > kDepth * granule) return false;
+  const size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);
+  if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
+  const int splits = ceil_div(a.red, split_len);
+  const auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec>
+                                 : stream_conv_cluster_kernel<T, NT, R, 1>;
+  if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
+  a.split_len = split_len;
+  a.splits = splits;
+  launch = {kernel, nullptr, dim3(a.groups * row_tiles * splits), shared_bytes, -1, row_tiles * splits};
+  return true;
+}
+
 template <typename T, int NT>
 StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
   constexpr int kVec = transposed_vector<T, NT>();
@@ -1027,8 +1268,10 @@ StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
           program_kind_of<NT>(true, vectorised)};
 }
 
+// clustered: a GroupNorm conv may take stream_conv_cluster_kernel.
 template <typename T>
-StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks) {
+StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks,
+                         bool clustered = false) {
   const auto plan = [&](auto nt) {
     constexpr int NT = decltype(nt)::value;
     // Vector loads need each lane's run of weights 16-byte aligned: a row length (conv) or
@@ -1036,6 +1279,8 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
     const int vec = transposed ? transposed_vector<T, NT>() : 16 / static_cast<int>(sizeof(T));
     const bool vectorised = (transposed ? a.m : a.red) % vec == 0 &&
                             reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
+    StreamLaunch launch;
+    if (clustered && !transposed && plan_cluster<T, NT>(a, vectorised, launch)) return launch;
     return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised, blocks);
   };
   switch (a.nt / a.n_tiles) {
@@ -1063,24 +1308,27 @@ at::Tensor attach_workspace(StreamArgs& a, const at::Tensor& x) {
   return ws;
 }
 
-// Launches on the current stream, with programmatic dependent launch where the GPU has it.
+// Launches on the current stream in clusters of `cluster_blocks` (1: none), with
+// programmatic dependent launch where the GPU has it.
 template <typename... Params, typename... Args>
-void launch_streaming(void (*kernel)(Params...), dim3 grid, size_t shared_bytes, Args... args) {
-  // Beyond 48 KB of static + dynamic shared memory a kernel must opt in.
-  if (shared_bytes > 40 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(shared_bytes)));
-  }
+void launch_streaming(void (*kernel)(Params...), dim3 grid, int cluster_blocks, size_t shared_bytes,
+                      Args... args) {
+  set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = shared_bytes;
   config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  config.attrs = attributes;
+  if (use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_blocks > 1) {
+    attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attributes[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
+  }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
@@ -1214,6 +1462,30 @@ namespace {
 // The program being recorded on this thread, if any.
 thread_local StreamProgram::Impl* recording = nullptr;
 
+// Launches being traced (start_launch_trace): the buffer, its rows handed out so far, and the
+// blocks of each traced launch.
+struct LaunchTrace {
+  std::mutex mutex;
+  at::Tensor buffer;
+  int64_t rows_used = 0;
+  std::vector<int64_t> blocks;
+};
+LaunchTrace launch_trace;
+
+// The trace rows of a launch of `grid` blocks, or null when launches are not traced.
+int64_t* next_launch_trace(dim3 grid) {
+  const std::lock_guard<std::mutex> lock(launch_trace.mutex);
+  if (!launch_trace.buffer.defined()) return nullptr;
+  const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  TORCH_CHECK(launch_trace.rows_used + blocks <= launch_trace.buffer.size(0),
+              "start_launch_trace: the buffer's ", launch_trace.buffer.size(0),
+              " rows are full; a launch of ", blocks, " blocks does not fit");
+  int64_t* rows = launch_trace.buffer.data_ptr<int64_t>() + launch_trace.rows_used * kTraceEvents;
+  launch_trace.rows_used += blocks;
+  launch_trace.blocks.push_back(blocks);
+  return rows;
+}
+
 void note_gemm_route(const char* op) {
   if (recording) {
     recording->fail(std::string(op) + " takes its im2col + cuBLAS route at batch x length >= " +
@@ -1229,17 +1501,21 @@ void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
   tile_positions(a, weight);
   StreamLaunch launch{};
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
-    launch = plan_stream<scalar_t>(a, p.transposed, weight, wave_blocks());
+    launch = plan_stream<scalar_t>(a, p.transposed, weight, wave_blocks(), recording == nullptr);
   });
   if (recording) {
     return recording->add_stage(a, nullptr, launch.program_kind, launch.grid, launch.shared_bytes,
                                 0, p.transposed, x, operands);
   }
+  a.trace = next_launch_trace(launch.grid);
+  if (launch.cluster_blocks > 1) {
+    return launch_streaming(launch.kernel, launch.grid, launch.cluster_blocks, launch.shared_bytes, a);
+  }
   const at::Tensor own_counters =
       counters ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
   a.counters = counters ? counters : own_counters.data_ptr<int>();
   const at::Tensor ws = attach_workspace(a, x);
-  launch_streaming(launch.kernel, launch.grid, launch.shared_bytes, a);
+  launch_streaming(launch.kernel, launch.grid, 1, launch.shared_bytes, a);
 }
 
 // Two Conv1d problems on the same input and positions (a and b, weights wa and wb) in one
@@ -1288,12 +1564,14 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   a.counters = counters ? counters : own_counters.data_ptr<int>();
   b.counters = a.counters + pa.out_channels;
   const at::Tensor ws_a = attach_workspace(a, x), ws_b = attach_workspace(b, x);
+  a.trace = next_launch_trace(paired ? grid : la.grid);
+  b.trace = paired ? a.trace : next_launch_trace(lb.grid);
   if (!paired) {
-    launch_streaming(la.kernel, la.grid, la.shared_bytes, a);
-    launch_streaming(lb.kernel, lb.grid, lb.shared_bytes, b);
+    launch_streaming(la.kernel, la.grid, 1, la.shared_bytes, a);
+    launch_streaming(lb.kernel, lb.grid, 1, lb.shared_bytes, b);
     return;
   }
-  launch_streaming(la.pair_kernel, grid, shared_bytes, a, b, static_cast<int>(la.grid.x));
+  launch_streaming(la.pair_kernel, grid, 1, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
 // im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
@@ -1452,6 +1730,23 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
 }
 
 }  // namespace
+
+void start_launch_trace(const at::Tensor& buffer) {
+  TORCH_CHECK_VALUE(buffer.is_cuda() && buffer.scalar_type() == at::kLong && buffer.dim() == 2 &&
+                        buffer.size(1) == kTraceEvents && buffer.is_contiguous(),
+                    "start_launch_trace: buffer must be a contiguous CUDA int64 tensor [rows, ",
+                    kTraceEvents, "]");
+  const std::lock_guard<std::mutex> lock(launch_trace.mutex);
+  launch_trace.buffer = buffer;
+  launch_trace.rows_used = 0;
+  launch_trace.blocks.clear();
+}
+
+std::vector<int64_t> stop_launch_trace() {
+  const std::lock_guard<std::mutex> lock(launch_trace.mutex);
+  launch_trace.buffer = at::Tensor();
+  return std::move(launch_trace.blocks);
+}
 
 StreamProgram::StreamProgram() : impl_(std::make_shared<Impl>()) {}
 

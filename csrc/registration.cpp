@@ -52,6 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
   m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
         "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
+  m.def("set_cluster_groupnorm", [](bool enabled) { return dpa::cluster_groupnorm.exchange(enabled); },
+        "Sets whether GroupNorm convs may run as one thread-block cluster per group; returns the old setting.");
   m.def("set_program_options", [](int options) {
     constexpr int kAll = dpa::kProgramRelaxedPoll | dpa::kProgramNoPrefetch;
     TORCH_CHECK_VALUE((options & ~kAll) == 0, "set_program_options: options must be a mask of bits ",
@@ -59,6 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return dpa::program_options.exchange(options);
   },
         "Sets StreamProgram's measurement variants (bit mask, see conv1d.h); returns the old value.");
+  m.def("start_launch_trace", &dpa::start_launch_trace,
+        "Traces the streaming conv launches from now on into a CUDA int64 tensor [rows, 9] (conv1d.h).");
+  m.def("stop_launch_trace", &dpa::stop_launch_trace,
+        "Stops tracing launches; returns the blocks (rows) of each launch traced.");
   // Used by GraphedSampler (sampler._UNetProgram); see dpa::StreamProgram in conv1d.h.
   pybind11::class_<dpa::StreamProgram>(m, "StreamProgram",
                                        "Streaming conv launches recorded and run as one persistent kernel.")

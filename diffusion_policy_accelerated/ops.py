@@ -48,6 +48,16 @@ def set_weights_evict_first(enabled: bool) -> bool:
     return bool(_C.set_weights_evict_first(bool(enabled)))
 
 
+def set_cluster_groupnorm(enabled: bool) -> bool:
+    """Whether a GroupNorm conv on the streaming route (batch x length < 32) runs as one
+    thread-block cluster per group on Hopper and newer GPUs, which add up the reduction's
+    splits and take the group's statistics in distributed shared memory, instead of split-K
+    blocks that meet in a global workspace. On by default; returns the previous setting.
+    Process-wide, read when a kernel is launched or a graph captured; meant for measuring
+    what it buys."""
+    return bool(_C.set_cluster_groupnorm(bool(enabled)))
+
+
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    num_groups: int, eps: float = 1e-5, *, film: Optional[torch.Tensor] = None,

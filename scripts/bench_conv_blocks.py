@@ -7,9 +7,12 @@ so every call streams its weights from HBM as it does inside the real U-Net. Pri
 
     python scripts/bench_conv_blocks.py [--batch 1 64] [--dtype float32] [--json out.json]
     python scripts/bench_conv_blocks.py --sweep-paths --batch 1 2 4 8 16 32 64
+    python scripts/bench_conv_blocks.py --split-k --batch 1
 
 --sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
-+ GEMM) at every size: where they cross sets the op's default switch-over.
++ GEMM) at every size: where they cross sets the op's default switch-over. --split-k also
+times the streaming route's split-K GroupNorm kernel (ops.set_cluster_groupnorm(False))
+next to the default, one thread-block cluster per group.
 """
 import argparse
 import json
@@ -68,6 +71,8 @@ def main():
                         help="also time the streaming kernel and the GEMM route separately")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch without programmatic dependent launch (to measure what it buys)")
+    parser.add_argument("--split-k", action="store_true",
+                        help="also time the split-K kernel instead of one cluster per group")
     args = parser.parse_args()
     ops.set_pdl(not args.no_pdl)
     torch.backends.cudnn.allow_tf32 = False
@@ -80,7 +85,8 @@ def main():
     rows = []
     header = (f"{'U-Net':22} {'B':>3} {'C_in':>5} {'C_out':>5} {'L':>3} {'weights MB':>10} "
               f"{'torch us':>9} {'ours us':>8} {'speed-up':>8} {'ours GB/s':>9} {'% copy BW':>9}"
-              + (f" {'stream us':>9} {'gemm us':>8}" if args.sweep_paths else ""))
+              + (f" {'stream us':>9} {'gemm us':>8}" if args.sweep_paths else "")
+              + (f" {'split-K us':>10}" if args.split_k else ""))
     print(header)
     for unet, dims in UNETS.items():
         seen = set()
@@ -111,6 +117,11 @@ def main():
                         paths[f"{name}_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
                             x, ws[i], b, gamma, beta, groups, counters=counters), copies)
                     ops.set_gemm_path_min_positions(default)
+                if args.split_k:
+                    default = ops.set_cluster_groupnorm(False)
+                    paths["split_k_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
+                        x, ws[i], b, gamma, beta, groups, counters=counters), copies)
+                    ops.set_cluster_groupnorm(default)
                 row = dict(unet=unet, batch=batch, in_channels=cin, out_channels=cout, length=length,
                            kernel_size=k, groups=groups, weight_mb=weight_bytes / 1e6,
                            torch_us=torch_us, ours_us=ours_us, speedup=torch_us / ours_us,

@@ -253,3 +253,71 @@ def test_both_cuda_routes(route, threshold, dtype):
                 **TOLERANCES[dtype])
     finally:
         ops.set_gemm_path_min_positions(default)
+
+
+# Streaming-route shapes for the two GroupNorm kernels: the U-Nets' group widths, a group of
+# 16 row tiles and no split (fp32; wider than a cluster in half types, which then fall back),
+# groups narrower than a row tile or than the cluster, odd batches up to 31 positions.
+CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2048, 4, 5, 8),
+                  (1, 64, 1024, 2, 3, 2), (7, 64, 96, 4, 5, 8), (3, 9, 24, 5, 5, 24),
+                  (31, 16, 32, 1, 3, 2), (2, 33, 40, 7, 5, 5), (1, 8, 4096, 1, 5, 64)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_both_streaming_kernels(clusters, dtype):
+    """A GroupNorm conv on the streaming route runs as one thread-block cluster per group
+    (Hopper and newer) or as split-K blocks with a finishing block: each must be right, with
+    FiLM and residual, and repeat bit for bit (both add the reduction's splits in a fixed
+    order)."""
+    previous = ops.set_cluster_groupnorm(clusters)
+    try:
+        g = torch.Generator().manual_seed(9)
+        for shape in CLUSTER_SHAPES:
+            check(shape, dtype, "cuda")
+            x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+            film, residual = film_and_residual(shape, dtype, "cuda", g, "scale+bias")
+            run = lambda: ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
+            out = run()
+            torch.testing.assert_close(
+                out.cpu().double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
+                **TOLERANCES[dtype])
+            assert torch.equal(out, run()), f"{shape}: a second run differs"
+    finally:
+        ops.set_cluster_groupnorm(previous)
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
+def test_launch_trace(clusters):
+    """ops._C.start_launch_trace (scripts/trace_conv.py): one row per block of each launch, the
+    block's stamps in the order of its work. Every block of the cluster kernel leaves (stamps
+    the last event); of the split-K kernel only the finishing blocks do: this also shows which
+    kernel the U-Net's 256-channel length-16 layer takes on a Hopper GPU."""
+    previous = ops.set_cluster_groupnorm(clusters)
+    try:
+        g = torch.Generator().manual_seed(10)
+        x, w, b, gamma, beta = make_inputs((1, 256, 256, 16, 5, 8), torch.float32, "cuda", g)
+        buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
+        ops._C.start_launch_trace(buffer)
+        try:
+            for _ in range(2):
+                ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)
+        finally:
+            blocks = ops._C.stop_launch_trace()
+        ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)  # not traced
+        torch.cuda.synchronize()
+    finally:
+        ops.set_cluster_groupnorm(previous)
+    assert len(blocks) == 2 and blocks[0] == blocks[1] > 0
+    trace = buffer.cpu()
+    first = trace[:blocks[0]]
+    assert (first[:, :4] > 0).all(), "every block starts, waits, stages and streams"
+    assert (first[:, 1:4] >= first[:, 0:3]).all()
+    assert (trace[2 * blocks[0]:] == 0).all(), "rows past the traced launches"
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert (first[:, 8] > 0).all() == clusters
+    with pytest.raises(ValueError, match="int64"):
+        ops._C.start_launch_trace(torch.zeros(8, 9, device="cuda"))
