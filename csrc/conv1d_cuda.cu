@@ -1241,6 +1241,9 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   const size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);
   if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
   const int splits = ceil_div(a.red, split_len);
+  // A one-block cluster would run as a plain launch (launch_streaming sets no cluster
+  // attribute for it) and gains nothing over split-K with one split on such a small layer.
+  if (row_tiles * splits < 2) return false;
   const auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec>
                                  : stream_conv_cluster_kernel<T, NT, R, 1>;
   if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;

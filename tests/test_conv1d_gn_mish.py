@@ -255,12 +255,14 @@ def test_both_cuda_routes(route, threshold, dtype):
         ops.set_gemm_path_min_positions(default)
 
 
-# Streaming-route shapes for the two GroupNorm kernels: the U-Nets' group widths, a group of
-# 16 row tiles and no split (fp32; wider than a cluster in half types, which then fall back),
-# groups narrower than a row tile or than the cluster, odd batches up to 31 positions.
+# Streaming-route shapes for the two GroupNorm kernels: U-Net layers (the L4 ones' slices are
+# too long for clusters: split-K either way), a group of 16 row tiles and no split (fp32;
+# wider than a cluster in half types, which then fall back), groups narrower than a row tile
+# or than the cluster, odd batches up to 31 positions, a group too small for a cluster of two.
 CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2048, 4, 5, 8),
                   (1, 64, 1024, 2, 3, 2), (7, 64, 96, 4, 5, 8), (3, 9, 24, 5, 5, 24),
-                  (31, 16, 32, 1, 3, 2), (2, 33, 40, 7, 5, 5), (1, 8, 4096, 1, 5, 64)]
+                  (31, 16, 32, 1, 3, 2), (2, 33, 40, 7, 5, 5), (1, 8, 4096, 1, 5, 64),
+                  (3, 7, 6, 3, 3, 3)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
