@@ -52,7 +52,9 @@ def set_cluster_groupnorm(enabled: bool) -> bool:
     """Whether a GroupNorm conv on the streaming route (batch x length < 32) runs as one
     thread-block cluster per group on Hopper and newer GPUs, which add up the reduction's
     splits and take the group's statistics in distributed shared memory, instead of split-K
-    blocks that meet in a global workspace. On by default; returns the previous setting.
+    blocks that meet in a global workspace. Only layers whose blocks' weight slices are
+    short take it (at batch 1 the U-Nets' smaller layers); the others stay
+    split-K either way. On by default; returns the previous setting.
     Process-wide, read when a kernel is launched or a graph captured; meant for measuring
     what it buys."""
     return bool(_C.set_cluster_groupnorm(bool(enabled)))
