@@ -252,9 +252,16 @@ __device__ __forceinline__ void transpose_reduce(float (&v)[V], int lane, int& b
   }
 }
 
-__device__ float block_sum(float v, float* scratch) {
+// Butterfly sum over the warp: every lane ends with the same bits (each stage adds the same
+// two values on both lanes of a pair).
+__device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
@@ -737,12 +744,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // shared memory behind cluster barriers: no workspace, counters or finishing block, whose
 // dependent global round trips cost 5-7 µs per layer beyond streaming (BENCHMARKS.md).
 constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable size)
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off >= 1; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 // Waits for the previous kernel, then requests a thread's epilogue inputs and bias (FiLM and
 // the residual may come from that kernel), so that their round trip overlaps the staging
