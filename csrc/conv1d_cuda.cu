@@ -29,9 +29,9 @@
 // GroupNorm conv of short reduction slices as one thread-block cluster per group (Hopper),
 // which meets in distributed shared memory instead of the workspace; program_kernel runs a
 // recorded sequence of these problems as the stages of one persistent launch (experimental:
-// StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions each weight feeds
-// enough outputs that im2col + cuBLAS (or cuDNN) wins; the GroupNorm epilogue is then one
-// more launch (group_norm_epilogue_kernel).
+// StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions
+// each weight feeds enough outputs that im2col + cuBLAS (or cuDNN) wins; the GroupNorm
+// epilogue is then one more launch (group_norm_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -536,7 +536,7 @@ __device__ __forceinline__ int staged_position(int el) {
 // Streams rows [tile_lo, row_hi) (at most kWarps * R) over reduction slice `split` at
 // positions n0.. n0 + NT - 1, and leaves the sums reduced across each warp: a lane owns
 // acc[0 .. R * NT / 32) (one value, with copies on other lanes, where R * NT < 32), for
-// rows and positions from `base`: see stream_sum_owner.
+// rows and positions from `base`: see put_owned_sums.
 template <typename T, int NT, int R, int EPL, int DEPTH, typename Wait>
 __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_lo, int row_hi,
                                                  int split, int n0, const Wait& wait,
