@@ -739,15 +739,64 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // ---------------------------------------------------------------------------------------
 // GroupNorm convs in thread-block clusters (Hopper). A cluster of row_tiles x splits blocks
 // owns one GroupNorm group: cluster rank tile * splits + split streams its rows over its
-// reduction slice as above, but keeps the sums in its shared memory. The cluster then adds
-// up the splits, takes the group's statistics and applies the epilogue through distributed
-// shared memory behind cluster barriers: no workspace, counters or finishing block, whose
-// dependent global round trips cost 5-7 µs per layer beyond streaming (BENCHMARKS.md).
+// reduction slice as above. Each block owns a share of the group's outputs; the blocks push
+// their sums straight into the owners' shared memory (st.async, counted by an mbarrier's
+// transaction bytes), the owners add up the splits, push their share's moments to every
+// block the same way, and each block merges them and applies the epilogue to its share:
+// no workspace, counters, finishing block or cluster-wide barrier on the way, each exchange
+// one one-way trip. (The finishing block's dependent global round trips cost 5-7 µs per
+// layer beyond streaming: BENCHMARKS.md.)
 constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable size)
+
+// Hopper's cluster instructions, used only where the cluster kernel's body is compiled.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The address of the same shared-memory location in block `rank` of the cluster.
+__device__ __forceinline__ uint32_t in_block(uint32_t address, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(address), "r"(rank));
+  return out;
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Until the barrier's first phase completes: its expected bytes have all arrived.
+__device__ __forceinline__ void mbarrier_wait_first_phase(uint64_t* bar) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(shared_address(bar))
+        : "memory");
+  } while (!done);
+}
+
+// Stores into another block's shared memory, counted on that block's barrier.
+__device__ __forceinline__ void push(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
+}
+__device__ __forceinline__ void push(uint32_t remote, float4 v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)),
+               "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)), "r"(remote_bar) : "memory");
+}
+#endif
 
 // Waits for the previous kernel, then requests a thread's epilogue inputs and bias (FiLM and
 // the residual may come from that kernel), so that their round trip overlaps the staging
-// and streaming instead of delaying a cluster barrier.
+// and streaming.
 template <typename T>
 struct WaitThenLoadEpilogue {
   const StreamArgs& a;
@@ -770,53 +819,67 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kTileRows = kWarps * R;
   static_assert(kTileRows * NT <= kThreads, "a block's share of a group is one element per thread");
-  __shared__ float partial[kTileRows * NT];  // this block's sums, [tile row][position]
+  static_assert(kMaxClusterBlocks <= 32, "a lane per block of the cluster");
+  // A block's share is at most ceil(tile rows / splits) rows, so its splits' sums fit here.
+  __shared__ float received_sums[(kTileRows + kMaxClusterBlocks) * NT];  // [split][element]
   __shared__ float share_values[kTileRows * NT];
-  __shared__ float4 moments[NT];  // per batch row of the block's share: (count, mean, M2)
-  __shared__ float2 stats[NT];    // per batch row of the group: (mean, rstd)
+  __shared__ float4 received_moments[NT][kMaxClusterBlocks];  // [batch row][block]: (n, mean, M2)
+  __shared__ float2 stats[NT];                                 // per batch row: (mean, rstd)
+  __shared__ uint64_t sums_arrived, moments_arrived;
   const cg::cluster_group cluster = cg::this_cluster();
   const int size = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int group_lo = blockIdx.x / size * a.unit_rows;
   const int tile_lo = group_lo + rank / a.splits * kTileRows;
   const int row_hi = min(tile_lo + kTileRows, group_lo + a.unit_rows);
-  // The block's share of the group's outputs: rows [share_lo, share_lo + share_rows) of it
-  // at every position, one element per thread, batch row major (each row's elements
-  // contiguous).
+  // Block q's share of the group's outputs: rows [q * share, ...) of it at every position,
+  // one element per thread, batch row major (each row's elements contiguous).
   const int share = (a.unit_rows + size - 1) / size;
-  const int share_lo = min(rank * share, a.unit_rows);
-  const int share_rows = min(share, a.unit_rows - share_lo);
-  const int L = a.lout, per_batch = share_rows * L;
-  const bool mine = static_cast<int>(threadIdx.x) < per_batch * a.batch;
+  const int L = a.lout;
+  const auto share_rows = [&](int q) { return max(0, min(share, a.unit_rows - q * share)); };
+  const int per_batch = share_rows(rank) * L, count = per_batch * a.batch;
+  const bool mine = static_cast<int>(threadIdx.x) < count;
   const int b = mine ? threadIdx.x / per_batch : 0;
-  const int row = share_lo + (mine ? threadIdx.x % per_batch / L : 0), l = threadIdx.x % L;
+  const int row = rank * share + (mine ? threadIdx.x % per_batch / L : 0), l = threadIdx.x % L;
   const int c = group_lo + row;
+  if (threadIdx.x == 0) {
+    mbarrier_init(&sums_arrived);
+    mbarrier_init(&moments_arrived);
+    mbarrier_expect_bytes(&sums_arrived, a.splits * count * sizeof(float));
+    mbarrier_expect_bytes(&moments_arrived, size * a.batch * sizeof(float4));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
+
   Epilogue e{};
   float v = 0.f;
   float acc[R * NT];
   int base;
   stream_conv_sums<T, NT, R, EPL, kDepth>(a, tile_lo, row_hi, rank % a.splits, 0,
                                           WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
-  put_owned_sums<NT, R>(acc, base, [&](int r, int n, float sum) { partial[r * NT + n] = sum; });
-  cluster.sync();  // every block's sums are visible
+  cluster.barrier_wait();
+  const int split = rank % a.splits;
+  put_owned_sums<NT, R>(acc, base, [&](int r, int n, float sum) {
+    if (tile_lo + r >= row_hi || n >= a.positions) return;
+    const int group_row = tile_lo - group_lo + r, owner = group_row / share;
+    const int owner_per_batch = share_rows(owner) * L;
+    const int element = n / L * owner_per_batch + (group_row - owner * share) * L + n % L;
+    push(in_block(shared_address(received_sums + split * owner_per_batch * a.batch + element), owner), sum,
+         in_block(shared_address(&sums_arrived), owner));
+  });
+  mbarrier_wait_first_phase(&sums_arrived);
   trace_event(a, kTraceArrived);
 
   if (mine) {
     // In split order from the bias, as the split-K kernels add them (deterministic).
-    const int tile = row / kTileRows, offset = row % kTileRows * NT + b * L + l;
-    float parts[kMaxClusterBlocks];
-#pragma unroll
-    for (int s = 0; s < kMaxClusterBlocks; ++s)
-      parts[s] = s < a.splits ? *cluster.map_shared_rank(partial + offset, tile * a.splits + s) : 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterBlocks; ++s) v += parts[s];
+    for (int s = 0; s < a.splits; ++s) v += received_sums[s * count + threadIdx.x];
     share_values[threadIdx.x] = v;
   }
   __syncthreads();
   trace_event(a, kTraceSummed);
-  // Two-pass moments of the share, a warp per batch row; merged across the cluster below.
+  // Two-pass moments of the share, a warp per batch row; butterfly sums leave them on every
+  // lane, and lane q pushes them to block q.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  static_assert(kMaxClusterBlocks <= 32, "a lane per block of the cluster");
   for (int rb = warp; rb < a.batch; rb += kWarps) {
     const float* values = share_values + rb * per_batch;
     float sum = 0.f;
@@ -825,28 +888,32 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     float m2 = 0.f;
     for (int j = lane; j < per_batch; j += 32) m2 += (values[j] - mean) * (values[j] - mean);
     m2 = warp_sum(m2);
-    if (lane == 0) moments[rb] = make_float4(static_cast<float>(per_batch), mean, m2, 0.f);
+    if (lane < size) {
+      push(in_block(shared_address(&received_moments[rb][rank]), lane),
+           make_float4(static_cast<float>(per_batch), mean, m2, 0.f),
+           in_block(shared_address(&moments_arrived), lane));
+    }
   }
   trace_event(a, kTraceFinishing);
-  cluster.sync();  // every block's moments are visible
-  // The group's moments from the blocks' (n, mean, M2), lane q reading block q's, merged
-  // with the parallel form of Chan et al.'s update (no chain of divisions). Butterfly sums
-  // leave the same bits on every lane of every block: every block gets the same statistics.
+  mbarrier_wait_first_phase(&moments_arrived);
+  // The group's moments, merged with the parallel form of Chan et al.'s update (no chain of
+  // divisions). Butterfly sums leave the same bits on every lane of every block: every block
+  // gets the same statistics.
   for (int rb = warp; rb < a.batch; rb += kWarps) {
-    const float4 m = lane < size ? *cluster.map_shared_rank(moments + rb, lane) : float4{};
+    const float4 m = lane < size ? received_moments[rb][lane] : float4{};
     const float n = warp_sum(m.x);
     const float mean = warp_sum(m.x * m.y) / n;
     const float m2 = warp_sum(m.z + m.x * (m.y - mean) * (m.y - mean));
     if (lane == 0) stats[rb] = make_float2(mean, rsqrtf(m2 / n + a.eps));
   }
-  cluster.barrier_arrive();  // this block reads no other block's shared memory from here on
   __syncthreads();
   trace_event(a, kTraceNormalized);
   if (mine) {
     const float2 st = stats[b];
     store_output<T>(a, b, c, l, apply_epilogue(e, mish((v - st.x) * st.y * e.gamma + e.beta)));
   }
-  cluster.barrier_wait();  // nor leaves while another block may still read its shared memory
+  // No block leaves before every push into its shared memory has arrived (both waits), and
+  // none pushes after that: no barrier before leaving.
   trace_event(a, kTraceFinished);
 #endif
 }
@@ -1137,7 +1204,7 @@ struct StreamLaunch {
   dim3 grid;
   size_t shared_bytes;
   int program_kind;  // -1: a program cannot run this instantiation
-  int cluster_blocks = 1;  // stream_conv_cluster_kernel's blocks per cluster
+  int cluster_blocks = 0;  // stream_conv_cluster_kernel's blocks per cluster (0: no clusters)
 };
 
 template <int NT>
@@ -1242,8 +1309,8 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   const size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);
   if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
   const int splits = ceil_div(a.red, split_len);
-  // A one-block cluster would run as a plain launch (launch_streaming sets no cluster
-  // attribute for it) and gains nothing over split-K with one split on such a small layer.
+  // A one-block cluster has no distributed shared memory to push into (compute-sanitizer
+  // flags it), and split-K with one split costs the same on such a small layer.
   if (row_tiles * splits < 2) return false;
   const auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec>
                                  : stream_conv_cluster_kernel<T, NT, R, 1>;
@@ -1312,8 +1379,9 @@ at::Tensor attach_workspace(StreamArgs& a, const at::Tensor& x) {
   return ws;
 }
 
-// Launches on the current stream in clusters of `cluster_blocks` (1: none), with
-// programmatic dependent launch where the GPU has it.
+// Launches on the current stream in clusters of `cluster_blocks` (0: not a cluster launch;
+// a kernel that pushes into other blocks' shared memory needs one even for 1-block
+// clusters), with programmatic dependent launch where the GPU has it.
 template <typename... Params, typename... Args>
 void launch_streaming(void (*kernel)(Params...), dim3 grid, int cluster_blocks, size_t shared_bytes,
                       Args... args) {
@@ -1329,7 +1397,7 @@ void launch_streaming(void (*kernel)(Params...), dim3 grid, int cluster_blocks, 
     attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_blocks > 1) {
+  if (cluster_blocks > 0) {
     attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
     attributes[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
   }
@@ -1512,14 +1580,14 @@ void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
                                 0, p.transposed, x, operands);
   }
   a.trace = next_launch_trace(launch.grid);
-  if (launch.cluster_blocks > 1) {
+  if (launch.cluster_blocks > 0) {
     return launch_streaming(launch.kernel, launch.grid, launch.cluster_blocks, launch.shared_bytes, a);
   }
   const at::Tensor own_counters =
       counters ? at::Tensor() : at::zeros({p.out_channels}, x.options().dtype(at::kInt));
   a.counters = counters ? counters : own_counters.data_ptr<int>();
   const at::Tensor ws = attach_workspace(a, x);
-  launch_streaming(launch.kernel, launch.grid, 1, launch.shared_bytes, a);
+  launch_streaming(launch.kernel, launch.grid, 0, launch.shared_bytes, a);
 }
 
 // Two Conv1d problems on the same input and positions (a and b, weights wa and wb) in one
@@ -1571,11 +1639,11 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   a.trace = next_launch_trace(paired ? grid : la.grid);
   b.trace = paired ? a.trace : next_launch_trace(lb.grid);
   if (!paired) {
-    launch_streaming(la.kernel, la.grid, 1, la.shared_bytes, a);
-    launch_streaming(lb.kernel, lb.grid, 1, lb.shared_bytes, b);
+    launch_streaming(la.kernel, la.grid, 0, la.shared_bytes, a);
+    launch_streaming(lb.kernel, lb.grid, 0, lb.shared_bytes, b);
     return;
   }
-  launch_streaming(la.pair_kernel, grid, 1, shared_bytes, a, b, static_cast<int>(la.grid.x));
+  launch_streaming(la.pair_kernel, grid, 0, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
 // im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
