@@ -4,7 +4,9 @@ finishing block (ops.set_cluster_groupnorm(False)). A CUDA graph of back-to-back
 (one weight copy each, as in bench_conv_blocks.py) is replayed with every block stamping the
 global timer at points of its work (ops._C.start_launch_trace); for each launch but the
 first this prints, in µs from the moment the previous launch's last block was done: when its
-blocks had waited for that launch (median), had staged their input (median), had streamed
+blocks started (median and last: negative where programmatic dependent launch let them
+start, and request their first weights, before that launch ended), had waited for that
+launch (median), had staged their input (median), had streamed
 their weights (median and last); then, last block: cluster kernel, when its cluster's sums
 were visible ("arrived"), added up ("summed"), its share's moments taken ("moments") and the
 group's statistics known ("stats"); split-K kernel, when the partial sums were counted
@@ -22,7 +24,8 @@ import torch
 from diffusion_policy_accelerated import ops
 
 START, WAITED, STAGED, COMPUTED, ARRIVED, FINISHING, SUMMED, NORMALIZED, FINISHED = range(9)
-COLUMNS = ["waited", "staged", "streamed", "last", "arrived", "summed", "moments", "stats", "done"]
+COLUMNS = ["started", "last in", "waited", "staged", "streamed", "last", "arrived", "summed", "moments",
+           "stats", "done"]
 
 
 def launch_rows(trace, blocks):
@@ -38,7 +41,8 @@ def launch_rows(trace, blocks):
                 if values.numel() == 0:
                     return float("nan")
                 return float(values.median() if reduce == "median" else values.max()) / 1e3
-            rows.append([rel(WAITED, "median"), rel(STAGED, "median"), rel(COMPUTED, "median"),
+            rows.append([rel(START, "median"), rel(START, "max"), rel(WAITED, "median"),
+                         rel(STAGED, "median"), rel(COMPUTED, "median"),
                          rel(COMPUTED, "max"), rel(ARRIVED, "max"), rel(SUMMED, "max"), rel(FINISHING, "max"),
                          rel(NORMALIZED, "max"), float(end - previous) / 1e3])
         previous = end
