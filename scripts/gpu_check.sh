@@ -3,7 +3,8 @@
 # GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the profiler.
 # DPA_STAGES picks stages (default: all, in this order):
 #   tests sanitize blocks demo bench profile ncu
-# DPA_TESTS narrows the tests stage to some files.
+# DPA_TESTS narrows the tests stage to some files; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
+# (seconds) bound those stages, so that a hung kernel leaves logs and device time behind.
 # Logs, JSON, plots and traces go to $WORK, packed at the end into $OUT/results.tgz (the
 # device tool brings $OUT back, a few files at most). Missing Python packages (the device has
 # no network) can be carried as wheels in .whl/ (see README "GPU check").
@@ -36,13 +37,17 @@ echo "built in $((SECONDS - start)) s"
 
 if want tests; then
   echo "== tests"
-  python3 -m pytest -q -p no:cacheprovider ${DPA_TESTS:-tests} >"$WORK/tests.log" 2>&1 || status=1
-  grep -E "FAILED|ERROR|passed|failed" "$WORK/tests.log" | tail -25
+  # A hung kernel must not take the whole device call (and its logs) with it: the suite is
+  # stopped after DPA_TESTS_TIMEOUT seconds, and a test still running after 120 s has its
+  # Python stack dumped into the log, which names the test that hung.
+  timeout "${DPA_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 \
+    ${DPA_TESTS:-tests} >"$WORK/tests.log" 2>&1 || status=1
+  grep -E "FAILED|ERROR|passed|failed|Timeout|File .*tests/" "$WORK/tests.log" | tail -25
 fi
 
 if want sanitize; then
   echo "== compute-sanitizer memcheck"
-  compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+  timeout "${DPA_SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
     python3 scripts/sanitize_case.py >"$WORK/sanitizer.log" 2>&1 || status=1
   tail -4 "$WORK/sanitizer.log"
 fi
