@@ -290,7 +290,6 @@ def test_both_streaming_kernels(clusters, dtype):
         ops.set_cluster_groupnorm(previous)
 
 
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
 def test_launch_trace(clusters):
@@ -323,3 +322,5 @@ def test_launch_trace(clusters):
         assert (first[:, 8] > 0).all() == clusters
     with pytest.raises(ValueError, match="int64"):
         ops._C.start_launch_trace(torch.zeros(8, 9, device="cuda"))
+    with pytest.raises(ValueError, match=r"\[rows, 9\]"):
+        ops._C.start_launch_trace(torch.zeros(8, 5, dtype=torch.int64, device="cuda"))
