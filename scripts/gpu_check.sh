@@ -32,13 +32,21 @@ start=$SECONDS
 # A build carried from another machine (scripts/build_for_device.sh) is used where it was
 # built from these very sources and imports here; it saves the device the compile.
 carried=diffusion_policy_accelerated/_C.sources
-if [[ -f $carried && "$(cat $carried)" == "$(bash scripts/extension_hash.sh)" ]] &&
-   PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -c "import torch, diffusion_policy_accelerated._C" 2>"$WORK/build.log"; then
+carried_usable() {
+  [[ -f $carried ]] || return 1
+  if [[ "$(cat $carried)" != "$(bash scripts/extension_hash.sh)" ]]; then
+    echo "the carried build is of other sources: building"; return 1
+  fi
+  if ! PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -c "import torch, diffusion_policy_accelerated._C" \
+      2>"$WORK/carried_import.log"; then
+    echo "the carried build does not import here: building"; tail -3 "$WORK/carried_import.log"; return 1
+  fi
+}
+if carried_usable; then
   # Importable by every later process on the machine, as the editable install would be.
   python3 -c "import site, sys; open(site.getsitepackages()[0] + '/dpa_carried.pth', 'w').write(sys.argv[1])" "$PWD"
   echo "using the carried build of these sources"
 else
-  [[ -f $carried ]] && echo "the carried build does not match these sources or does not import: building"
   if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$WORK/build.log" 2>&1; then
     tail -40 "$WORK/build.log"; exit 1
   fi
