@@ -78,6 +78,8 @@ int max_shared_bytes() {
 // Weight requests each lane keeps in flight per weight row.
 constexpr int kDepth = 3;
 constexpr int kDepthTransposed = 4;
+// Most chunks per warp in stream_conv_cluster_kernel's shared-memory weight ring.
+constexpr int kMaxRingStages = 8;
 // The most tiles one block can complete (its rows span at most this many output tiles).
 constexpr int kMaxFinishUnits = 4 * kWarps + 2;
 // Batch rows whose GroupNorm statistics a finishing block holds at once.
@@ -110,6 +112,7 @@ struct StreamArgs {
   int red;        // reduction length: C_in * K (conv) or C_in (transposed)
   int split_len;  // reduction elements per block
   int splits;
+  int ring_stages;  // stream_conv_cluster_kernel<kBulk>'s weight chunks per warp in flight
   int n_tiles;    // position tiles (blockIdx.z): more than one only past 32 positions
   bool prefetch;  // prefetch the block's weights into L2 while waiting for the producer
   bool weights_evict_first;  // weight_policy()
@@ -526,6 +529,64 @@ __device__ __forceinline__ int staged_position(int el) {
   return chunk * kChunk + (v / 4) * 128 + lane * (EPL < 4 ? EPL : 4) + v % 4;
 }
 
+// Hopper's shared-memory barriers, bulk copies and cluster instructions, used only where
+// stream_conv_cluster_kernel's body is compiled.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The address of the same shared-memory location in block `rank` of the cluster.
+__device__ __forceinline__ uint32_t in_block(uint32_t address, int rank) {
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(address), "r"(rank));
+  return out;
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Until the barrier's phase of this parity completes (0: its first use, 1: its second, ...):
+// its expected bytes have all arrived.
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(shared_address(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// A contiguous global -> shared copy by the copy engine (16-byte aligned, a multiple of 16
+// bytes), counted on `bar`: it costs the issuing thread one instruction and no registers.
+__device__ __forceinline__ void bulk_load(void* shared, const void* global, uint32_t bytes, uint64_t* bar,
+                                          uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+      ::"r"(shared_address(shared)), "l"(global), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
+      : "memory");
+}
+
+// Stores into another block's shared memory, counted on that block's barrier.
+__device__ __forceinline__ void push(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
+}
+__device__ __forceinline__ void push(uint32_t remote, float4 v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
+               ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)),
+               "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)), "r"(remote_bar) : "memory");
+}
+#endif
+
 // ---------------------------------------------------------------------------------------
 // Conv1d layout: block = (row tile of kWarps * R output channels, reduction slice). Warp w
 // streams rows w*R .. w*R+R-1 of the tile; each lane reads EPL consecutive weights of each
@@ -537,7 +598,11 @@ __device__ __forceinline__ int staged_position(int el) {
 // positions n0.. n0 + NT - 1, and leaves the sums reduced across each warp: a lane owns
 // acc[0 .. R * NT / 32) (one value, with copies on other lanes, where R * NT < 32), for
 // rows and positions from `base`: see put_owned_sums.
-template <typename T, int NT, int R, int EPL, int DEPTH, typename Wait>
+// The weights come through registers, DEPTH requests per lane and row in flight, or (kBulk,
+// Hopper, 16-byte aligned rows) through a ring of a.ring_stages chunks per warp in shared
+// memory after the staged input, filled by bulk copies: as many bytes in flight as the ring
+// holds, whatever the registers (a block per SM keeps half the register-held bytes of two).
+template <typename T, int NT, int R, int EPL, int DEPTH, bool kBulk, typename Wait>
 __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_lo, int row_hi,
                                                  int split, int n0, const Wait& wait,
                                                  float (&acc)[R * NT], int& base) {
@@ -554,7 +619,7 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
 
   // Rows past the end are never loaded; their sums stay garbage and are never written.
   const uint64_t policy = weight_policy(a.weights_evict_first);
-  Pack<T, EPL> w[DEPTH][R];
+  Pack<T, EPL> w[kBulk ? 1 : DEPTH][R];
   const auto load_chunk = [&](int d, int chunk) {
     const int e = e_begin + chunk * kChunk + lane * EPL;
     if (chunk < chunks && e < e_end) {
@@ -564,12 +629,47 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
           w[d][r] = load_stream<T, EPL>(weight + static_cast<int64_t>(row0 + r) * a.red + e, policy);
     }
   };
+  // The bulk ring: [warp][stage][row][kChunk], a barrier per warp and stage.
+  constexpr int kMaxStages = kMaxRingStages;
+  const int stages = kBulk ? a.ring_stages : DEPTH;
+  const int warp_rows = max(0, min(R, row_hi - row0));
+  T* ring = reinterpret_cast<T*>(staged + NT * a.split_len) + warp * stages * R * kChunk;
+  __shared__ uint64_t stage_filled[kBulk ? kWarps : 1][kBulk ? kMaxStages : 1];
+  // By the whole warp, once it no longer reads the stage: lane 0 arms the stage's barrier,
+  // then lane r copies row r.
+  const auto fill_stage = [&](int stage, int chunk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const int e = e_begin + chunk * kChunk;
+    const uint32_t bytes = (min(e_end, e + kChunk) - e) * sizeof(T);
+    uint64_t* bar = &stage_filled[warp][stage];
+    if (lane == 0) mbarrier_expect_bytes(bar, warp_rows * bytes);
+    __syncwarp();
+    if (lane < warp_rows) {
+      bulk_load(ring + (stage * R + lane) * kChunk, weight + static_cast<int64_t>(row0 + lane) * a.red + e,
+                bytes, bar, policy);
+    }
+#endif
+  };
+  if constexpr (kBulk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (warp_rows > 0) {
+      if (lane == 0) {
+        for (int stage = 0; stage < stages; ++stage) mbarrier_init(&stage_filled[warp][stage]);
+        // The copies' completions (async proxy) must see the initialised barriers.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      }
+      __syncwarp();
+      for (int chunk = 0; chunk < min(stages, chunks); ++chunk) fill_stage(chunk, chunk);
+    }
+#endif
+  } else {
 #pragma unroll
-  for (int d = 0; d < DEPTH; ++d) load_chunk(d, d);
+    for (int d = 0; d < DEPTH; ++d) load_chunk(d, d);
+  }
   if (a.prefetch) {
     // The rest of this block's weights: on their way to L2 while the previous kernel ends.
     // Rolled loops: this runs once per block, and unrolled it was most of the prologue's code.
-    const int64_t first = e_begin + DEPTH * kChunk;
+    const int64_t first = e_begin + static_cast<int64_t>(stages) * kChunk;
     const int64_t bytes = (e_end - first) * static_cast<int64_t>(sizeof(T));
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
@@ -635,40 +735,66 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
 
 #pragma unroll
   for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
-  for (int chunk0 = 0; chunk0 < chunks; chunk0 += DEPTH) {
+  const auto accumulate = [&](const Pack<T, EPL> (&wp)[R], int chunk) {
+    float wf[R][EPL];
 #pragma unroll
-    for (int d = 0; d < DEPTH; ++d) {
-      const int chunk = chunk0 + d;
-      if (chunk < chunks && e_begin + chunk * kChunk + lane * EPL < e_end) {
-        float wf[R][EPL];
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int r = 0; r < R; ++r)
+      for (int v = 0; v < EPL; ++v) wf[r][v] = static_cast<float>(wp[r].v[v]);
+    const float* xs = staged + chunk * kChunk + lane * (EPL < 4 ? EPL : 4);
 #pragma unroll
-          for (int v = 0; v < EPL; ++v) wf[r][v] = static_cast<float>(w[d][r].v[v]);
-        const float* xs = staged + chunk * kChunk + lane * (EPL < 4 ? EPL : 4);
+    for (int n = 0; n < NT; ++n) {
+      float xv[EPL];
+      if constexpr (EPL >= 4) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          float xv[EPL];
-          if constexpr (EPL >= 4) {
+        for (int q = 0; q < EPL / 4; ++q) {
+          const float4 x4 = *reinterpret_cast<const float4*>(xs + n * a.split_len + q * 128);
+          xv[4 * q] = x4.x;
+          xv[4 * q + 1] = x4.y;
+          xv[4 * q + 2] = x4.z;
+          xv[4 * q + 3] = x4.w;
+        }
+      } else {
 #pragma unroll
-            for (int q = 0; q < EPL / 4; ++q) {
-              const float4 x4 = *reinterpret_cast<const float4*>(xs + n * a.split_len + q * 128);
-              xv[4 * q] = x4.x;
-              xv[4 * q + 1] = x4.y;
-              xv[4 * q + 2] = x4.z;
-              xv[4 * q + 3] = x4.w;
-            }
-          } else {
+        for (int v = 0; v < EPL; ++v) xv[v] = xs[n * a.split_len + v];
+      }
 #pragma unroll
-            for (int v = 0; v < EPL; ++v) xv[v] = xs[n * a.split_len + v];
-          }
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int v = 0; v < EPL; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
+    }
+  };
+  if constexpr (kBulk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (warp_rows > 0) {
+      for (int chunk = 0; chunk < chunks; ++chunk) {
+        const int stage = chunk % stages;
+        mbarrier_wait(&stage_filled[warp][stage], chunk / stages % 2);
+        if (e_begin + chunk * kChunk + lane * EPL < e_end) {
+          Pack<T, EPL> wp[R];
 #pragma unroll
           for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int v = 0; v < EPL; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
+            wp[r] = *reinterpret_cast<const Pack<T, EPL>*>(ring + (stage * R + r) * kChunk + lane * EPL);
+          accumulate(wp, chunk);
+        }
+        if (chunk + stages < chunks) {
+          // Every lane has used its reads of the stage: order them before the copy engine's
+          // (the async proxy's) writes into it.
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          __syncwarp();
+          fill_stage(stage, chunk + stages);
         }
       }
-      load_chunk(d, chunk + DEPTH);
+    }
+#endif
+  } else {
+    for (int chunk0 = 0; chunk0 < chunks; chunk0 += DEPTH) {
+#pragma unroll
+      for (int d = 0; d < DEPTH; ++d) {
+        const int chunk = chunk0 + d;
+        if (chunk < chunks && e_begin + chunk * kChunk + lane * EPL < e_end) accumulate(w[d], chunk);
+        load_chunk(d, chunk + DEPTH);
+      }
     }
   }
 
@@ -701,7 +827,7 @@ __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, 
   const int n0 = n_tile * NT;
   float acc[R * NT];
   int base;
-  stream_conv_sums<T, NT, R, EPL, DEPTH>(a, tile_lo, row_hi, split, n0, wait, acc, base);
+  stream_conv_sums<T, NT, R, EPL, DEPTH, false>(a, tile_lo, row_hi, split, n0, wait, acc, base);
   put_owned_sums<NT, R>(acc, base, [&](int r, int n, float v) {
     if (tile_lo + r < row_hi) a.ws[(static_cast<int64_t>(split) * a.m + tile_lo + r) * a.nt + n0 + n] = v;
   });
@@ -748,51 +874,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // layer beyond streaming: BENCHMARKS.md.)
 constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable size)
 
-// Hopper's cluster instructions, used only where the cluster kernel's body is compiled.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// The address of the same shared-memory location in block `rank` of the cluster.
-__device__ __forceinline__ uint32_t in_block(uint32_t address, int rank) {
-  uint32_t out;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(address), "r"(rank));
-  return out;
-}
-
-__device__ __forceinline__ void mbarrier_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
-}
-
-// Until the barrier's first phase completes: its expected bytes have all arrived.
-__device__ __forceinline__ void mbarrier_wait_first_phase(uint64_t* bar) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(shared_address(bar))
-        : "memory");
-  } while (!done);
-}
-
-// Stores into another block's shared memory, counted on that block's barrier.
-__device__ __forceinline__ void push(uint32_t remote, float v, uint32_t remote_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
-               ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
-}
-__device__ __forceinline__ void push(uint32_t remote, float4 v, uint32_t remote_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
-               ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)),
-               "r"(__float_as_uint(v.z)), "r"(__float_as_uint(v.w)), "r"(remote_bar) : "memory");
-}
-#endif
 
 // Waits for the previous kernel, then requests a thread's epilogue inputs and bias (FiLM and
 // the residual may come from that kernel), so that their round trip overlaps the staging
@@ -813,7 +894,7 @@ struct WaitThenLoadEpilogue {
   }
 };
 
-template <typename T, int NT, int R, int EPL>
+template <typename T, int NT, int R, int EPL, bool kBulk>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stream_conv_cluster_kernel(const StreamArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -855,7 +936,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   float v = 0.f;
   float acc[R * NT];
   int base;
-  stream_conv_sums<T, NT, R, EPL, kDepth>(a, tile_lo, row_hi, rank % a.splits, 0,
+  stream_conv_sums<T, NT, R, EPL, kDepth, kBulk>(a, tile_lo, row_hi, rank % a.splits, 0,
                                           WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
   cluster.barrier_wait();
   const int split = rank % a.splits;
@@ -867,7 +948,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     push(in_block(shared_address(received_sums + split * owner_per_batch * a.batch + element), owner), sum,
          in_block(shared_address(&sums_arrived), owner));
   });
-  mbarrier_wait_first_phase(&sums_arrived);
+  mbarrier_wait(&sums_arrived, 0);
   trace_event(a, kTraceArrived);
 
   if (mine) {
@@ -895,7 +976,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     }
   }
   trace_event(a, kTraceFinishing);
-  mbarrier_wait_first_phase(&moments_arrived);
+  mbarrier_wait(&moments_arrived, 0);
   // The group's moments, merged with the parallel form of Chan et al.'s update (no chain of
   // divisions). Butterfly sums leave the same bits on every lane of every block: every block
   // gets the same statistics.
@@ -1301,22 +1382,37 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   if (row_tiles > kMaxClusterBlocks) return false;
   const int granule = 32 * (vectorised ? kVec : 1);
   const int split_len = ceil_div(ceil_div(a.red, kMaxClusterBlocks / row_tiles), granule) * granule;
-  // Only where a block requests its whole slice before it waits for the previous kernel (at
-  // most kDepth loads per lane and row): with one block per SM where split-K has two, the
-  // cluster kernel has half the weight bytes in flight, and on longer slices that costs more
-  // than its shorter finishing saves (scripts/trace_conv.py, BENCHMARKS.md).
-  if (split_len > kDepth * granule) return false;
-  const size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);
-  if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
+  const size_t budget = max_shared_bytes();
+  size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
+  // Where a block's first kDepth loads per lane and row cover its whole slice, the weights
+  // come through registers. Longer slices stream through the shared-memory ring: with one
+  // block per SM where split-K has two, registers alone would keep half the bytes in flight,
+  // which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
+  const bool bulk = split_len > kDepth * granule;
+  int stages = 0;
+  if (bulk) {
+    if (!vectorised) return false;  // bulk copies move 16-byte aligned runs
+    const size_t stage_bytes = static_cast<size_t>(kWarps) * R * granule * sizeof(T);
+    if (shared_bytes < budget) {
+      stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
+                                                  kMaxRingStages, (budget - shared_bytes) / stage_bytes}));
+    }
+    if (const char* cap = std::getenv("DPA_RING_MAX")) stages = std::min(stages, std::atoi(cap));  // DEBUG
+    if (stages < kDepth) return false;  // no more in flight than registers keep
+    shared_bytes += stages * stage_bytes;
+  }
+  if (shared_bytes > budget) return false;
   const int splits = ceil_div(a.red, split_len);
   // A one-block cluster has no distributed shared memory to push into (compute-sanitizer
   // flags it), and split-K with one split costs the same on such a small layer.
   if (row_tiles * splits < 2) return false;
-  const auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec>
-                                 : stream_conv_cluster_kernel<T, NT, R, 1>;
+  const auto kernel = bulk         ? stream_conv_cluster_kernel<T, NT, R, kVec, true>
+                      : vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
+                                   : stream_conv_cluster_kernel<T, NT, R, 1, false>;
   if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
   a.split_len = split_len;
   a.splits = splits;
+  a.ring_stages = stages;
   launch = {kernel, nullptr, dim3(a.groups * row_tiles * splits), shared_bytes, -1, row_tiles * splits};
   return true;
 }

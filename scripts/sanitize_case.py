@@ -23,7 +23,8 @@ def main():
             assert torch.isfinite(out).all()
     for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (1, 4, 8, 5, 13, 2),
                                                  (2, 9, 24, 1, 5, 24), (1, 300, 20, 17, 5, 5),
-                                                 (2, 3, 6, 40, 31, 3), (1, 2, 2, 1, 1, 1)]:
+                                                 (2, 3, 6, 40, 31, 3), (1, 2, 2, 1, 1, 1),
+                                                 (1, 1304, 200, 4, 5, 8)]:
         x = torch.randn(batch, cin, length, device="cuda")
         w = torch.randn(cout, cin, k, device="cuda")
         film = torch.randn(batch, 2 * cout, device="cuda")
