@@ -1,7 +1,8 @@
 """A small workload for `compute-sanitizer --tool memcheck`: a small U-Net forward through the
 fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups split across
 blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
-transposed convs, FiLM and residual epilogues, caller-owned counters, a conv and its 1x1
+transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv streamed through
+the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one launch or, misaligned, two), denoise steps, and a small U-Net's denoising
 loop with its forward as one persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
