@@ -33,6 +33,10 @@ def main():
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups)).all()
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, film=film,
                                                  residual=residual)).all()
+    # The weight ring refilled in half precision, two weight rows per warp.
+    x = torch.randn(1, 1024, 4, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, 5, device="cuda", dtype=torch.bfloat16) / 70
+    assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, 8)).all()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     for batch, cin, cout, length, misaligned in [(1, 2, 256, 16, False), (3, 256, 512, 8, False),
                                                  (1, 2048, 512, 4, False), (2, 7, 6, 3, False),
