@@ -79,7 +79,7 @@ int max_shared_bytes() {
 constexpr int kDepth = 3;
 constexpr int kDepthTransposed = 4;
 // Most chunks per warp in stream_conv_cluster_kernel's shared-memory weight ring.
-constexpr int kMaxRingStages = 8;
+constexpr int kMaxRingStages = 16;
 // The most tiles one block can complete (its rows span at most this many output tiles).
 constexpr int kMaxFinishUnits = 4 * kWarps + 2;
 // Batch rows whose GroupNorm statistics a finishing block holds at once.
@@ -630,11 +630,12 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
     }
   };
   // The bulk ring: [warp][stage][row][kChunk], a barrier per warp and stage.
-  constexpr int kMaxStages = kMaxRingStages;
   const int stages = kBulk ? a.ring_stages : DEPTH;
   const int warp_rows = max(0, min(R, row_hi - row0));
   T* ring = reinterpret_cast<T*>(staged + NT * a.split_len) + warp * stages * R * kChunk;
-  __shared__ uint64_t stage_filled[kBulk ? kWarps : 1][kBulk ? kMaxStages : 1];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ uint64_t stage_filled[kBulk ? kWarps : 1][kBulk ? kMaxRingStages : 1];
+#endif
   // By the whole warp, once it no longer reads the stage: lane 0 arms the stage's barrier,
   // then lane r copies row r.
   const auto fill_stage = [&](int stage, int chunk) {
@@ -1382,7 +1383,12 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   if (row_tiles > kMaxClusterBlocks) return false;
   const int granule = 32 * (vectorised ? kVec : 1);
   const int split_len = ceil_div(ceil_div(a.red, kMaxClusterBlocks / row_tiles), granule) * granule;
-  const size_t budget = max_shared_bytes();
+  size_t budget = max_shared_bytes();
+  // DEBUG: a larger budget gives one block per SM a deeper ring (and no room for the next
+  // kernel's block beside it under PDL): the A/B this knob is for.
+  if (const char* bytes = std::getenv("DPA_RING_BUDGET")) {
+    budget = std::min<size_t>(std::atoll(bytes), at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 4096);
+  }
   size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
   // Where a block's first kDepth loads per lane and row cover its whole slice, the weights
   // come through registers. Longer slices stream through the shared-memory ring: with one
