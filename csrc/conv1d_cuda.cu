@@ -1383,12 +1383,9 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   if (row_tiles > kMaxClusterBlocks) return false;
   const int granule = 32 * (vectorised ? kVec : 1);
   const int split_len = ceil_div(ceil_div(a.red, kMaxClusterBlocks / row_tiles), granule) * granule;
-  size_t budget = max_shared_bytes();
-  // DEBUG: a larger budget gives one block per SM a deeper ring (and no room for the next
-  // kernel's block beside it under PDL): the A/B this knob is for.
-  if (const char* bytes = std::getenv("DPA_RING_BUDGET")) {
-    budget = std::min<size_t>(std::atoll(bytes), at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 4096);
-  }
+  // Within what two blocks per SM can each have, so that under programmatic dependent launch
+  // the next kernel's block fits beside this one and requests its weights early.
+  const size_t budget = max_shared_bytes();
   size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
   // Where a block's first kDepth loads per lane and row cover its whole slice, the weights
   // come through registers. Longer slices stream through the shared-memory ring: with one
@@ -1403,7 +1400,6 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
       stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
                                                   kMaxRingStages, (budget - shared_bytes) / stage_bytes}));
     }
-    if (const char* cap = std::getenv("DPA_RING_MAX")) stages = std::min(stages, std::atoi(cap));  // DEBUG
     if (stages < kDepth) return false;  // no more in flight than registers keep
     shared_bytes += stages * stage_bytes;
   }
