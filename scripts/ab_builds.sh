@@ -2,25 +2,41 @@
 # Same-machine A/B of two builds of the kernels: timings taken on two device machines differ
 # by more than most kernel changes do, so a change is only measured against the code before
 # it on one machine, and interleaved (new, old, new) so that drift shows.
-#   scripts/ab_builds.sh OLD_CSRC COMMAND...
-# OLD_CSRC: a csrc/ folder of the other version, e.g. exported here with
-#   mkdir -p old_src && git archive HEAD csrc | tar -x -C old_src     (then OLD_CSRC=old_src/csrc)
-# (untracked, so it travels to the device with the working tree; delete it afterwards).
+#   scripts/ab_builds.sh OLD COMMAND...
+# OLD is either a csrc/ folder of the other version, built here before each run, e.g.
+#   mkdir -p old_src && git archive HEAD csrc | tar -x -C old_src     (then OLD=old_src/csrc)
+# (untracked, so it travels to the device with the working tree; delete it afterwards), or
+# that version's built extension library (scripts/build_for_device.sh in a checkout of it,
+# the library copied to e.g. build/old_C.so and carried): then nothing is built, the two
+# libraries take turns, and the working tree's own must be in place (gpu_check.sh's carried
+# build or its editable install), which saves about two minutes of device time per build.
 # COMMAND runs from the repository root after each build, e.g.
 #   scripts/ab_builds.sh old_src/csrc python3 scripts/benchmark.py --ours-only --batch 1 --schedule DDPM-100
-# The working tree's csrc/ is restored at the end, however the script ends.
+# The working tree's csrc/ (or library) is restored at the end, however the script ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 old=$1
 shift
-[[ -d $old ]] || { echo "no folder $old" >&2; exit 2; }
 source scripts/carried_wheels.sh
+saved=$(mktemp -d)
+status=0
+if [[ -f $old && $old == *.so ]]; then
+  library=diffusion_policy_accelerated/_C$(python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  [[ -f $library ]] || { echo "no built $library to compare with" >&2; exit 2; }
+  cp "$library" "$saved/new.so"
+  trap 'cp "$saved/new.so" "$library" && rm -rf "$saved"' EXIT
+  for version in new old new; do
+    if [[ $version == new ]]; then cp "$saved/new.so" "$library"; else cp "$old" "$library"; fi
+    echo "== $version: library $(cmp -s "$library" "$saved/new.so" && echo "of the working tree" || echo "$old")"
+    "$@" || status=1
+  done
+  exit $status
+fi
+[[ -d $old ]] || { echo "no folder or library $old" >&2; exit 2; }
 export CC=${DPA_CC:-gcc} CXX=${DPA_CXX:-g++}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-saved=$(mktemp -d)
 cp -r csrc "$saved/"
 trap 'rm -rf csrc && cp -r "$saved/csrc" csrc && rm -rf "$saved"' EXIT
-status=0
 for version in new old new; do
   rm -rf csrc
   if [[ $version == new ]]; then cp -r "$saved/csrc" csrc; else cp -r "$old" csrc; fi

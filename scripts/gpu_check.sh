@@ -35,7 +35,8 @@ carried=diffusion_policy_accelerated/_C.sources
 carried_usable() {
   [[ -f $carried ]] || return 1
   if [[ "$(cat $carried)" != "$(bash scripts/extension_hash.sh)" ]]; then
-    echo "the carried build is of other sources: building"; return 1
+    echo "the carried build is of other sources (hash $(bash scripts/extension_hash.sh) here," \
+      "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST): building"; return 1
   fi
   if ! PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} python3 -c "import torch, diffusion_policy_accelerated._C" \
       2>"$WORK/carried_import.log"; then
