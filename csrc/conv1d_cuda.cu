@@ -690,7 +690,12 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
   // for one round trip per kColumns columns; the positions' offsets into x (and x2) are
   // worked out once per block. Plain loads: a tap's neighbours hit L1, and a program's wait
   // for the previous stage is an acquire, which leaves no stale line in it.
-  constexpr int kColumns = NT >= 16 ? 1 : 32 / NT;  // beyond that, more registers spill
+  // Beyond 32 loads a thread (16 at NT >= 16, beside more accumulators), registers spill
+  // (ptxas -v). With the weights in the shared-memory ring (kBulk) the registers that held
+  // them take twice as many, so that a ring block's longer slice stages in fewer round trips,
+  // each of which waits behind the ring's copies.
+  constexpr int kLoads = (kBulk ? 2 : 1) * (NT >= 16 ? 16 : 32);
+  constexpr int kColumns = kLoads >= NT ? kLoads / NT : 1;
   __shared__ int64_t position_offset[2][NT];
   __shared__ int position_start[NT];
   if (threadIdx.x < NT) {

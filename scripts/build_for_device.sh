@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the extension on this machine for the lent GPU machines (their Python 3.12 and torch
-# 2.11.0+cu130, sm_90), so that a device call carries it instead of spending about two minutes
+# 2.11.0+cu130, sm_90a), so that a device call carries it instead of spending about two minutes
 # of device time compiling:
 #   bash scripts/build_for_device.sh
 #   carry: [".whl", "diffusion_policy_accelerated/_C.cpython-312-x86_64-linux-gnu.so",
@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${DPA_DEVICE_PYTHON:-python3.12}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-2}
+# The device image sets TORCH_CUDA_ARCH_LIST=9.0a (so its own builds are sm_90a), and
+# gpu_check.sh hashes the list it builds with: the same here, or the carried build goes unused.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-2}
 start=$SECONDS
 if ! "$python" setup.py -q build_ext --inplace >/tmp/dpa_device_build.log 2>&1; then
   tail -30 /tmp/dpa_device_build.log
