@@ -1397,9 +1397,15 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // block per SM where split-K has two, registers alone would keep half the bytes in flight,
   // which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
   const bool bulk = split_len > kDepth * granule;
+  // Measured (scripts/trace_conv.py, H100): in half precision at 4-8 positions the ring
+  // block stages its input 4.4 µs after the wait instead of 2.3 and ends later than split-K
+  // (bf16 1024->1024 L4 13.6 against 11.5 µs, 2048->512 L4 13.8 against 10.0), while fp32 at
+  // every tile and half precision at 16 positions gain (BENCHMARKS.md). Not understood yet.
+  constexpr bool kRingPays = sizeof(T) == 4 || NT >= 16;
   int stages = 0;
   if (bulk) {
     if (!vectorised) return false;  // bulk copies move 16-byte aligned runs
+    if (!kRingPays) return false;
     const size_t stage_bytes = static_cast<size_t>(kWarps) * R * granule * sizeof(T);
     if (shared_bytes < budget) {
       stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
@@ -1413,9 +1419,11 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // A one-block cluster has no distributed shared memory to push into (compute-sanitizer
   // flags it), and split-K with one split costs the same on such a small layer.
   if (row_tiles * splits < 2) return false;
-  const auto kernel = bulk         ? stream_conv_cluster_kernel<T, NT, R, kVec, true>
-                      : vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
-                                   : stream_conv_cluster_kernel<T, NT, R, 1, false>;
+  auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
+                           : stream_conv_cluster_kernel<T, NT, R, 1, false>;
+  if constexpr (kRingPays) {
+    if (bulk) kernel = stream_conv_cluster_kernel<T, NT, R, kVec, true>;
+  }
   if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
   a.split_len = split_len;
   a.splits = splits;
