@@ -19,6 +19,9 @@ if ! "$python" setup.py -q build_ext --inplace >/tmp/dpa_device_build.log 2>&1; 
   tail -30 /tmp/dpa_device_build.log
   exit 1
 fi
+# Python's build flags include -g: host debug info is ~15 MB of the library's 19, and a device
+# call carries at most 64 MiB (the wheels take 22). The kernels and their line info stay.
+strip --strip-debug diffusion_policy_accelerated/_C.cpython-312-*.so
 bash scripts/extension_hash.sh >diffusion_policy_accelerated/_C.sources
 ls -l diffusion_policy_accelerated/_C.cpython-312-*.so
 echo "built in $((SECONDS - start)) s for $("$python" -c 'import torch; print("torch", torch.__version__)')"
