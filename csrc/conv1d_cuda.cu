@@ -7,7 +7,7 @@
 // bandwidth with as few serial steps per launch as possible:
 //
 //   * split-K over the whole GPU: a block owns a tile of weight-matrix rows and a slice of
-//     the reduction, and every lane loads 16 bytes of weights per request, kDepth requests
+//     the reduction, and every lane loads 16 bytes of weights per request, 2-3 requests
 //     ahead, straight from the weights' own layout (no repacking, so checkpoints' tensors are
 //     used as they are);
 //   * the block's slice of the input is staged in shared memory once, in the order the lanes
@@ -47,6 +47,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -75,8 +76,11 @@ int max_shared_bytes() {
   const int per_block = static_cast<int>(props->sharedMemPerMultiprocessor) / kBlocksPerSm - 2048;
   return std::min({96 * 1024, per_block, static_cast<int>(props->sharedMemPerBlockOptin) - 2048});
 }
-// Weight requests each lane keeps in flight per weight row.
-constexpr int kDepth = 3;
+// Weight requests each lane keeps in flight per weight row: 3 in fp32; 2 in half precision,
+// whose 16-byte requests carry twice the weights (16 a row ahead against fp32's 12) and
+// whose weights take registers twice, packed and then converted (3 spilled at 4 rows).
+template <typename T>
+constexpr int stream_depth() { return sizeof(T) == 4 ? 3 : 2; }
 constexpr int kDepthTransposed = 4;
 // Most chunks per warp in stream_conv_cluster_kernel's shared-memory weight ring.
 constexpr int kMaxRingStages = 16;
@@ -160,6 +164,20 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
+
+// Weight v of a pack as a float. bf16 is converted out of the pack's 32-bit words: through
+// c10::BFloat16 element by element, the compiler kept each 16-bit weight in a register of its
+// own (twice the registers for the same loads, and spills at 4 rows a warp).
+template <typename T, int N>
+__device__ __forceinline__ float weight_float(const Pack<T, N>& p, int v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && N % 2 == 0) {
+    uint32_t word;
+    memcpy(&word, &p.v[v & ~1], sizeof(word));
+    return __uint_as_float(v % 2 ? word & 0xffff0000u : word << 16);
+  } else {
+    return static_cast<float>(p.v[v]);
+  }
+}
 
 // L2 policy of the streamed weights. Evict-first (ops.set_weights_evict_first): each weight
 // is read once per forward and a forward's weights do not fit L2, so they should not push out
@@ -505,12 +523,15 @@ __device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float
   if (n > 0) trace_event(a, kTraceFinished);
 }
 
-// Weight rows per warp of the Conv1d-layout kernel: about 32 accumulators, and 16 fp32
-// weights per lane per request (half types carry 8 per 16-byte load, so fewer rows keep the
-// registers in bounds).
-template <typename T, int NT>
+// Weight rows per warp of the Conv1d-layout kernel: about 32 accumulators. Every dtype takes
+// as many rows: each staged input a lane reads from shared memory (16 bytes for 4 positions'
+// worth of one column) feeds R rows' multiply-adds, and at one row per warp the shared-memory
+// reads, not the weights, would bound a half-precision layer (128 bytes per clock per SM
+// feed 32 multiply-adds per clock at R = 1, 2 bytes of bf16 weights per clock: ~1 TB/s
+// over 132 SMs at NT = 16).
+template <int NT>
 constexpr int conv_rows() {
-  return std::max(1, (NT <= 8 ? 4 : NT == 16 ? 2 : 1) * 4 / static_cast<int>(16 / sizeof(T)));
+  return NT <= 8 ? 4 : NT == 16 ? 2 : 1;
 }
 
 // Vector width (elements) of the transposed kernel's weight loads: 16 bytes, or fewer where
@@ -741,33 +762,37 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
 
 #pragma unroll
   for (int i = 0; i < R * NT; ++i) acc[i] = 0.f;
+  // A lane's EPL weights of a row in groups of (at most) 4, one 16-byte staged load per
+  // position each: only a group's weights are held as floats at a time (R x 4, whatever the
+  // dtype), and each accumulator still adds its weights in order.
   const auto accumulate = [&](const Pack<T, EPL> (&wp)[R], int chunk) {
-    float wf[R][EPL];
+    constexpr int kGroup = EPL < 4 ? EPL : 4;
+    const float* xs = staged + chunk * kChunk + lane * kGroup;
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int v = 0; v < EPL; ++v) wf[r][v] = static_cast<float>(wp[r].v[v]);
-    const float* xs = staged + chunk * kChunk + lane * (EPL < 4 ? EPL : 4);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      float xv[EPL];
-      if constexpr (EPL >= 4) {
-#pragma unroll
-        for (int q = 0; q < EPL / 4; ++q) {
-          const float4 x4 = *reinterpret_cast<const float4*>(xs + n * a.split_len + q * 128);
-          xv[4 * q] = x4.x;
-          xv[4 * q + 1] = x4.y;
-          xv[4 * q + 2] = x4.z;
-          xv[4 * q + 3] = x4.w;
-        }
-      } else {
-#pragma unroll
-        for (int v = 0; v < EPL; ++v) xv[v] = xs[n * a.split_len + v];
-      }
+    for (int q = 0; q < EPL / kGroup; ++q) {
+      float wf[R][kGroup];
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int v = 0; v < EPL; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
+        for (int v = 0; v < kGroup; ++v) wf[r][v] = weight_float(wp[r], q * kGroup + v);
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        float xv[kGroup];
+        if constexpr (kGroup == 4) {
+          const float4 x4 = *reinterpret_cast<const float4*>(xs + n * a.split_len + q * 128);
+          xv[0] = x4.x;
+          xv[1] = x4.y;
+          xv[2] = x4.z;
+          xv[3] = x4.w;
+        } else {
+#pragma unroll
+          for (int v = 0; v < kGroup; ++v) xv[v] = xs[n * a.split_len + v];
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int v = 0; v < kGroup; ++v) acc[r * NT + n] = fmaf(wf[r][v], xv[v], acc[r * NT + n]);
+      }
     }
   };
   if constexpr (kBulk) {
@@ -826,7 +851,7 @@ __device__ __forceinline__ void put_owned_sums(const float (&acc)[R * NT], int b
 
 // A split-K block: its sums go to the workspace, and the last block of an output tile
 // finishes it (arrive_and_finish).
-template <typename T, int NT, int R, int EPL, int DEPTH = kDepth, typename Wait>
+template <typename T, int NT, int R, int EPL, int DEPTH = stream_depth<T>(), typename Wait>
 __device__ __forceinline__ void stream_conv_tile(const StreamArgs& a, int tile, int split,
                                                  int n_tile, const Wait& wait) {
   const int tile_lo = tile * kWarps * R, row_hi = min(tile_lo + kWarps * R, a.m);
@@ -942,8 +967,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   float v = 0.f;
   float acc[R * NT];
   int base;
-  stream_conv_sums<T, NT, R, EPL, kDepth, kBulk>(a, tile_lo, row_hi, rank % a.splits, 0,
-                                          WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
+  stream_conv_sums<T, NT, R, EPL, stream_depth<T>(), kBulk>(
+      a, tile_lo, row_hi, rank % a.splits, 0, WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
   cluster.barrier_wait();
   const int split = rank % a.splits;
   put_owned_sums<NT, R>(acc, base, [&](int r, int n, float sum) {
@@ -1073,7 +1098,7 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
           const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
 #pragma unroll
           for (int v = 0; v < EPL; ++v) {
-            const float wv = static_cast<float>(w[d].v[v]);
+            const float wv = weight_float(w[d], v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[v * NT + n4 + q] = fmaf(wv, xv[q], acc[v * NT + n4 + q]);
           }
@@ -1173,7 +1198,7 @@ struct WaitForStage {
 // One call per instantiation, not inlined: each is then register-allocated on its own, as
 // in its own kernel (inlined into one function, ptxas allocates the twelve bodies together
 // and spills ~2 KB per thread). A call's ABI leaves fewer registers than a kernel has, so the
-// conv body keeps kProgramDepth weight requests in flight instead of kDepth.
+// conv body keeps kProgramDepth weight requests in flight instead of stream_depth<T>().
 constexpr int kProgramDepth = 2;
 
 template <typename T, int NT, int R, int EPL>
@@ -1195,9 +1220,9 @@ __device__ __forceinline__ void run_program_unit(int kind, const StreamArgs& a, 
   switch (kind) {
 #define DPA_PROGRAM_CONV(I, NT)                                                                     \
   case program_kind(false, I, false):                                                              \
-    return program_conv_unit<T, NT, conv_rows<T, NT>(), 1>(a, tile, split, n_tile, wait);          \
+    return program_conv_unit<T, NT, conv_rows<NT>(), 1>(a, tile, split, n_tile, wait);             \
   case program_kind(false, I, true):                                                               \
-    return program_conv_unit<T, NT, conv_rows<T, NT>(), kVec>(a, tile, split, n_tile, wait);       \
+    return program_conv_unit<T, NT, conv_rows<NT>(), kVec>(a, tile, split, n_tile, wait);          \
   case program_kind(true, I, false):                                                               \
     return program_transposed_unit<T, NT, 1>(a, tile, split, n_tile, wait);                        \
   case program_kind(true, I, true):                                                                \
@@ -1334,7 +1359,7 @@ void plan_splits(StreamArgs& a, int m_tiles, int granule, int max_split_len, int
 template <typename T, int NT>
 StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int R = conv_rows<T, NT>();
+  constexpr int R = conv_rows<NT>();
   const int granule = 32 * (vectorised ? kVec : 1);
   const int m_tiles = ceil_div(a.m, kWarps * R);
   plan_splits(a, m_tiles, granule, max_shared_bytes() / (NT * 4) / granule * granule, blocks);
@@ -1379,7 +1404,7 @@ bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_
 template <typename T, int NT>
 bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int R = conv_rows<T, NT>();
+  constexpr int R = conv_rows<NT>();
   if (a.groups == 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
       at::cuda::getCurrentDeviceProperties()->major < 9) {
     return false;
@@ -1392,15 +1417,16 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // the next kernel's block fits beside this one and requests its weights early.
   const size_t budget = max_shared_bytes();
   size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
-  // Where a block's first kDepth loads per lane and row cover its whole slice, the weights
+  // Where a block's first stream_depth<T>() loads per lane and row cover its whole slice, the weights
   // come through registers. Longer slices stream through the shared-memory ring: with one
   // block per SM where split-K has two, registers alone would keep half the bytes in flight,
   // which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
-  const bool bulk = split_len > kDepth * granule;
-  // Measured (scripts/trace_conv.py, H100): in half precision at 4-8 positions the ring
-  // block stages its input 4.4 µs after the wait instead of 2.3 and ends later than split-K
-  // (bf16 1024->1024 L4 13.6 against 11.5 µs, 2048->512 L4 13.8 against 10.0), while fp32 at
-  // every tile and half precision at 16 positions gain (BENCHMARKS.md). Not understood yet.
+  const bool bulk = split_len > stream_depth<T>() * granule;
+  // Measured (scripts/trace_conv.py, H100) while half precision streamed half as many rows a
+  // warp as fp32 (so twice as long a slice a block): at 4-8 positions its ring block staged
+  // its input 4.4 µs after the wait instead of 2.3 and ended later than split-K (bf16
+  // 1024->1024 L4 13.6 against 11.5 µs, 2048->512 L4 13.8 against 10.0), while fp32 at every
+  // tile and half precision at 16 positions gained (BENCHMARKS.md).
   constexpr bool kRingPays = sizeof(T) == 4 || NT >= 16;
   int stages = 0;
   if (bulk) {
@@ -1411,7 +1437,7 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
       stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
                                                   kMaxRingStages, (budget - shared_bytes) / stage_bytes}));
     }
-    if (stages < kDepth) return false;  // no more in flight than registers keep
+    if (stages < stream_depth<T>()) return false;  // no more in flight than registers keep
     shared_bytes += stages * stage_bytes;
   }
   if (shared_bytes > budget) return false;

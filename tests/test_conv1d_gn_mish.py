@@ -256,9 +256,9 @@ def test_both_cuda_routes(route, threshold, dtype):
 
 
 # Streaming-route shapes for the two GroupNorm kernels: U-Net layers (the L4 ones' slices are
-# too long for clusters: split-K either way), a group of 16 row tiles and no split (fp32;
-# wider than a cluster in half types, which then fall back), groups narrower than a row tile
-# or than the cluster, odd batches up to 31 positions, a group too small for a cluster of two.
+# too long for clusters: split-K either way), a group of 16 row tiles and no split, groups
+# narrower than a row tile or than the cluster, odd batches up to 31 positions, a group too
+# small for a cluster of two.
 CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2048, 4, 5, 8),
                   (1, 64, 1024, 2, 3, 2), (7, 64, 96, 4, 5, 8), (3, 9, 24, 5, 5, 24),
                   (31, 16, 32, 1, 3, 2), (2, 33, 40, 7, 5, 5), (1, 8, 4096, 1, 5, 64),
@@ -270,8 +270,9 @@ CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2
                   # Slices longer than the ring (96 KB a block on an H100), so that its stages are
                   # refilled: fp32 with two of eight warps holding rows (2432 of 37000 per block,
                   # 19 chunks, 3 stages); half precision, which takes the ring only at 16
-                  # positions (5 chunks, 4 stages). fp32 refills in the 1024-wide shapes too.
-                  (1, 7400, 16, 4, 5, 2), (1, 512, 512, 16, 5, 8)]
+                  # positions (a 1280-long slice: 5 chunks, 2 stages; fp32 takes split-K). fp32
+                  # refills in the 1024-wide shapes too.
+                  (1, 7400, 16, 4, 5, 2), (1, 512, 512, 16, 5, 8), (1, 4096, 32, 16, 5, 2)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
