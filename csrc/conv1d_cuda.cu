@@ -1422,16 +1422,9 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // block per SM where split-K has two, registers alone would keep half the bytes in flight,
   // which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
   const bool bulk = split_len > stream_depth<T>() * granule;
-  // Measured (scripts/trace_conv.py, H100) while half precision streamed half as many rows a
-  // warp as fp32 (so twice as long a slice a block): at 4-8 positions its ring block staged
-  // its input 4.4 µs after the wait instead of 2.3 and ended later than split-K (bf16
-  // 1024->1024 L4 13.6 against 11.5 µs, 2048->512 L4 13.8 against 10.0), while fp32 at every
-  // tile and half precision at 16 positions gained (BENCHMARKS.md).
-  constexpr bool kRingPays = sizeof(T) == 4 || NT >= 16;
   int stages = 0;
   if (bulk) {
     if (!vectorised) return false;  // bulk copies move 16-byte aligned runs
-    if (!kRingPays) return false;
     const size_t stage_bytes = static_cast<size_t>(kWarps) * R * granule * sizeof(T);
     if (shared_bytes < budget) {
       stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
@@ -1447,9 +1440,7 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   if (row_tiles * splits < 2) return false;
   auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
                            : stream_conv_cluster_kernel<T, NT, R, 1, false>;
-  if constexpr (kRingPays) {
-    if (bulk) kernel = stream_conv_cluster_kernel<T, NT, R, kVec, true>;
-  }
+  if (bulk) kernel = stream_conv_cluster_kernel<T, NT, R, kVec, true>;
   if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
   a.split_len = split_len;
   a.splits = splits;

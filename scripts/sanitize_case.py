@@ -35,7 +35,8 @@ def main():
                                                  residual=residual)).all()
     # Slices longer than the weight ring, so that its stages are refilled (tests/
     # test_conv1d_gn_mish.py's CLUSTER_SHAPES work out the chunks).
-    for dtype, cin, cout, length, groups in [(torch.float32, 7400, 16, 4, 2), (torch.bfloat16, 4096, 32, 16, 2)]:
+    for dtype, cin, cout, length, groups in [(torch.float32, 7400, 16, 4, 2), (torch.bfloat16, 7400, 16, 4, 2),
+                                             (torch.bfloat16, 4096, 32, 16, 2)]:
         x = torch.randn(1, cin, length, device="cuda", dtype=dtype)
         w = torch.randn(cout, cin, 5, device="cuda", dtype=dtype) / (5 * cin) ** 0.5
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups)).all()

@@ -263,15 +263,14 @@ CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2
                   (1, 64, 1024, 2, 3, 2), (7, 64, 96, 4, 5, 8), (3, 9, 24, 5, 5, 24),
                   (31, 16, 32, 1, 3, 2), (2, 33, 40, 7, 5, 5), (1, 8, 4096, 1, 5, 64),
                   (3, 7, 6, 3, 3, 3),
-                  # Long slices, which the cluster kernel streams through its shared-memory ring in
-                  # fp32 (half precision at 4-8 positions takes split-K there): full and partial
-                  # warps of rows, a partial last chunk, batch 2, length 8.
+                  # Long slices, which the cluster kernel streams through its shared-memory ring:
+                  # full and partial warps of rows, a partial last chunk, batch 2, length 8.
                   (1, 1304, 200, 4, 5, 8), (2, 1024, 512, 2, 5, 8), (1, 512, 1024, 8, 5, 8),
                   # Slices longer than the ring (96 KB a block on an H100), so that its stages are
-                  # refilled: fp32 with two of eight warps holding rows (2432 of 37000 per block,
-                  # 19 chunks, 3 stages); half precision, which takes the ring only at 16
-                  # positions (a 1280-long slice: 5 chunks, 2 stages; fp32 takes split-K). fp32
-                  # refills in the 1024-wide shapes too.
+                  # refilled: two of eight warps holding rows (2432 or 2560 of 37000 per block:
+                  # 19 chunks and 3 stages in fp32, 10 and 3 in half precision); at 16 positions
+                  # a 1280-long slice (half precision: 5 chunks, 2 stages; fp32 takes split-K).
+                  # fp32 refills in the 1024-wide shapes too.
                   (1, 7400, 16, 4, 5, 2), (1, 512, 512, 16, 5, 8), (1, 4096, 32, 16, 5, 2)]
 
 
