@@ -357,11 +357,16 @@ struct TilePre {
     return shared ? shared[(c - c_lo) * positions + n] : __ldcg(ws + c * nt + n);
   }
 };
+// The GEMM route's pre-activations: a cuBLAS result [C_out, B * L] without the bias, which
+// is added here (addmm would first copy it into every column of the output, a launch).
 template <typename T>
 struct GemmPre {
   const T* p;
   int64_t stride;
-  __device__ float operator()(int c, int n) const { return static_cast<float>(p[c * stride + n]); }
+  const void* bias;
+  __device__ float operator()(int c, int n) const {
+    return static_cast<float>(p[c * stride + n]) + (bias ? load_float<T>(bias, c) : 0.f);
+  }
 };
 
 // GroupNorm -> Mish -> epilogue over one group's channels [c_lo, c_hi) of batch rows
@@ -1272,8 +1277,26 @@ __global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const Str
   __shared__ float2 stats[1];
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups;
-  normalize_group<T>(a, GemmPre<T>{pre, static_cast<int64_t>(a.batch) * a.lout}, g * cpg,
+  normalize_group<T>(a, GemmPre<T>{pre, static_cast<int64_t>(a.batch) * a.lout, a.bias}, g * cpg,
                      (g + 1) * cpg, b, b + 1, scratch, stats);
+}
+
+// The GEMM route's im2col of a GroupNorm conv (stride 1, length kept):
+// cols[c * K + k][b * L + l] = x[b, c, l + k - pad], zeros outside x. One launch, where ATen's
+// pad, unfold and reshape took two copies.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, T* cols) {
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t positions = a.positions;
+  const int64_t total = a.red * positions;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int row = static_cast<int>(i / positions), n = static_cast<int>(i - row * positions);
+    const int c = row / a.ksize, k = row - c * a.ksize;
+    const int b = n / a.lout, l = n - b * a.lout;
+    const int pos = l + k - a.pad;
+    cols[i] = pos >= 0 && pos < a.lin ? x[b * a.x_sb + c * a.x_sc + pos * a.x_sl] : static_cast<T>(0.f);
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1774,17 +1797,19 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   launch_streaming(la.pair_kernel, grid, 0, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
-// im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations including the
-// bias, in x's dtype (tensor cores for fp16 / bf16; fp32 follows
+// im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations without the
+// bias (GemmPre adds it), in x's dtype (tensor cores for fp16 / bf16; fp32 follows
 // torch.backends.cuda.matmul.allow_tf32, off by default).
-at::Tensor conv_as_gemm(const at::Tensor& x, const at::Tensor& weight,
-                        const std::optional<at::Tensor>& bias, const ConvProblem& p) {
-  const at::Tensor cols = at::constant_pad_nd(x, {p.padding, p.padding})
-                              .unfold(2, p.kernel_size, 1)  // [B, C_in, L, K]
-                              .permute({1, 3, 0, 2})
-                              .reshape({p.in_channels * p.kernel_size, p.batch * p.out_length});
-  const at::Tensor w = weight.reshape({p.out_channels, -1});
-  return bias.has_value() ? at::addmm(bias->unsqueeze(1), w, cols) : at::mm(w, cols);
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight) {
+  at::Tensor cols = at::empty({a.red, a.positions}, x.options());
+  const int64_t total = static_cast<int64_t>(a.red) * a.positions;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * wave_blocks()));
+  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
+    im2col_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        a, cols.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return at::mm(weight.reshape({a.cout, a.red}), cols);
 }
 
 // A conv1d_gn_mish call's operands, made contiguous (and kept alive here until the launch is
@@ -1872,7 +1897,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
   if (c.a.positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d_gn_mish");
-    const at::Tensor pre = conv_as_gemm(x, c.weight, c.bias, p).contiguous();
+    const at::Tensor pre = conv_as_gemm(c.a, x, c.weight).contiguous();
     DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
       group_norm_epilogue_kernel<scalar_t>
           <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0,
