@@ -78,7 +78,8 @@ int max_shared_bytes() {
 }
 // Weight requests each lane keeps in flight per weight row: 3 in fp32; 2 in half precision,
 // whose 16-byte requests carry twice the weights (16 a row ahead against fp32's 12) and
-// whose weights take registers twice, packed and then converted (3 spilled at 4 rows).
+// whose weights take registers twice, packed and then converted (at 3 and 4 rows a warp,
+// ptxas spilled up to 248 bytes a thread in fp16).
 template <typename T>
 constexpr int stream_depth() { return sizeof(T) == 4 ? 3 : 2; }
 constexpr int kDepthTransposed = 4;
@@ -357,6 +358,7 @@ struct TilePre {
     return shared ? shared[(c - c_lo) * positions + n] : __ldcg(ws + c * nt + n);
   }
 };
+
 // The GEMM route's pre-activations: a cuBLAS result [C_out, B * L] without the bias, which
 // is added here (addmm would first copy it into every column of the output, a launch).
 template <typename T>
@@ -1440,10 +1442,10 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // the next kernel's block fits beside this one and requests its weights early.
   const size_t budget = max_shared_bytes();
   size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
-  // Where a block's first stream_depth<T>() loads per lane and row cover its whole slice, the weights
-  // come through registers. Longer slices stream through the shared-memory ring: with one
-  // block per SM where split-K has two, registers alone would keep half the bytes in flight,
-  // which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
+  // Where a block's first stream_depth<T>() loads per lane and row cover its whole slice, the
+  // weights come through registers. Longer slices stream through the shared-memory ring: with
+  // one block per SM where split-K has two, registers alone would keep half the bytes in
+  // flight, which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
   const bool bulk = split_len > stream_depth<T>() * granule;
   int stages = 0;
   if (bulk) {
