@@ -9,6 +9,7 @@ medians of CUDA-event timings, every variant twice. Runs on builds without the c
 switch too (the old side of scripts/ab_builds.sh), timing their split-K path.
 
     python scripts/ab_program.py [--unet lowdim image] [--dtype float32 bfloat16] [--options 0 2]
+                                 [--cluster-only]
 """
 import argparse
 
@@ -27,6 +28,9 @@ def main():
     parser.add_argument("--options", nargs="*", type=int, default=[0],
                         help="program option sets to time (none: no single-kernel variant)")
     parser.add_argument("--evict-normal", action="store_true", help="also time weights evict-normal in L2")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="time only the default route (a cluster per group where the build has it): "
+                             "a third of the device time")
     args = parser.parse_args()
     # Builds from before the switch (scripts/ab_builds.sh's old side) have only split-K.
     has_clusters = hasattr(ops._C, "set_cluster_groupnorm")
@@ -45,8 +49,9 @@ def main():
                         for first in ((True, False) if args.evict_normal else (True,))
                         for label, single, options, clusters in
                         [("per-conv, cluster per group", False, 0, True)] * has_clusters +
-                        [("per-conv, split-K", False, 0, False)] +
-                        [(f"single kernel, options {o}", True, o, False) for o in args.options]]
+                        [("per-conv, split-K", False, 0, False)] * (not (args.cluster_only and has_clusters)) +
+                        [(f"single kernel, options {o}", True, o, False)
+                         for o in ([] if args.cluster_only else args.options)]]
             reference = None
             for label, single, options, first, clusters in variants * 2:  # twice: drift shows up
                 ops._C.set_program_options(options)
