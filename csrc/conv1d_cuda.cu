@@ -318,22 +318,36 @@ struct Epilogue {
   float gamma, beta, scale, shift, residual;
 };
 
-template <typename T>
-__device__ __forceinline__ Epilogue load_epilogue(const StreamArgs& a, int b, int c, int l) {
-  Epilogue e{1.f, 0.f, 1.f, 0.f, 0.f};
-  if (a.gn_weight) e.gamma = load_float<T>(a.gn_weight, c);
-  if (a.gn_bias) e.beta = load_float<T>(a.gn_bias, c);
+// Calls use(field of e, base, index) for each epilogue input the conv has, and where it is.
+template <typename Use>
+__device__ __forceinline__ void for_each_epilogue_input(const StreamArgs& a, int b, int c, int l,
+                                                        Epilogue& e, const Use& use) {
+  if (a.gn_weight) use(e.gamma, a.gn_weight, c);
+  if (a.gn_bias) use(e.beta, a.gn_bias, c);
   if (a.film) {
     const int64_t row = b * a.film_sb;
     if (a.film_width == a.cout) {
-      e.shift = load_float<T>(a.film, row + c);
+      use(e.shift, a.film, row + c);
     } else {
-      e.scale = load_float<T>(a.film, row + c);
-      e.shift = load_float<T>(a.film, row + a.cout + c);
+      use(e.scale, a.film, row + c);
+      use(e.shift, a.film, row + a.cout + c);
     }
   }
-  if (a.residual) e.residual = load_float<T>(a.residual, (static_cast<int64_t>(b) * a.cout + c) * a.lout + l);
+  if (a.residual) use(e.residual, a.residual, (static_cast<int64_t>(b) * a.cout + c) * a.lout + l);
+}
+
+template <typename T>
+__device__ __forceinline__ Epilogue load_epilogue(const StreamArgs& a, int b, int c, int l) {
+  Epilogue e{1.f, 0.f, 1.f, 0.f, 0.f};
+  for_each_epilogue_input(a, b, c, l, e, [](float& field, const void* base, int64_t i) {
+    field = load_float<T>(base, i);
+  });
   return e;
+}
+
+template <typename T>
+__device__ __forceinline__ void prefetch_to_l1(const void* base, int64_t i) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(static_cast<const T*>(base) + i));
 }
 
 __device__ __forceinline__ float apply_epilogue(const Epilogue& e, float v) {
@@ -913,21 +927,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable size)
 
 
-// Waits for the previous kernel, then requests a thread's epilogue inputs and bias (FiLM and
-// the residual may come from that kernel), so that their round trip overlaps the staging
-// and streaming.
+// Waits for the previous kernel (FiLM and the residual may come from it), then prefetches a
+// thread's epilogue inputs and bias into L1, to be loaded once its sums are pushed. Loaded
+// here, they were held in registers through the staging and streaming; in half precision
+// their conversions (and, where registers ran short, their spills) made the thread wait for
+// the loads before it staged its input (bf16 blocks' waits ended 0.25-0.5 µs later than
+// fp32's: BENCHMARKS.md).
 template <typename T>
-struct WaitThenLoadEpilogue {
+struct WaitThenPrefetchEpilogue {
   const StreamArgs& a;
   bool mine;
   int b, c, l;
-  Epilogue& e;
-  float& bias;
   __device__ void operator()() const {
     wait_for_producer();
     if (mine) {
-      e = load_epilogue<T>(a, b, c, l);
-      bias = a.bias ? load_float<T>(a.bias, c) : 0.f;
+      Epilogue unused;
+      for_each_epilogue_input(a, b, c, l, unused, [](float&, const void* base, int64_t i) {
+        prefetch_to_l1<T>(base, i);
+      });
+      if (a.bias) prefetch_to_l1<T>(a.bias, c);
     }
   }
 };
@@ -970,12 +988,10 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
   cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
 
-  Epilogue e{};
-  float v = 0.f;
   float acc[R * NT];
   int base;
   stream_conv_sums<T, NT, R, EPL, stream_depth<T>(), kBulk>(
-      a, tile_lo, row_hi, rank % a.splits, 0, WaitThenLoadEpilogue<T>{a, mine, b, c, l, e, v}, acc, base);
+      a, tile_lo, row_hi, rank % a.splits, 0, WaitThenPrefetchEpilogue<T>{a, mine, b, c, l}, acc, base);
   cluster.barrier_wait();
   const int split = rank % a.splits;
   put_owned_sums<NT, R>(acc, base, [&](int r, int n, float sum) {
@@ -986,6 +1002,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     push(in_block(shared_address(received_sums + split * owner_per_batch * a.batch + element), owner), sum,
          in_block(shared_address(&sums_arrived), owner));
   });
+  // The loads' round trip overlaps the wait for the other blocks' sums.
+  Epilogue e{};
+  float v = 0.f;
+  if (mine) {
+    e = load_epilogue<T>(a, b, c, l);
+    v = a.bias ? load_float<T>(a.bias, c) : 0.f;
+  }
   mbarrier_wait(&sums_arrived, 0);
   trace_event(a, kTraceArrived);
 
