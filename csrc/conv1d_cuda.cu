@@ -928,11 +928,11 @@ constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable
 
 
 // Waits for the previous kernel (FiLM and the residual may come from it), then prefetches a
-// thread's epilogue inputs and bias into L1, to be loaded once its sums are pushed. Loaded
-// here, they were held in registers through the staging and streaming; in half precision
-// their conversions (and, where registers ran short, their spills) made the thread wait for
-// the loads before it staged its input (bf16 blocks' waits ended 0.25-0.5 µs later than
-// fp32's: BENCHMARKS.md).
+// thread's epilogue inputs and bias into L1, to be loaded once its sums are pushed. Loading
+// them here would hold them in registers through the staging and streaming, and in half
+// precision their conversions (or, where registers run short, their spills) make the thread
+// wait for the loads before it stages its input (bf16 blocks' waits ended 0.5 µs later
+// than fp32's: BENCHMARKS.md).
 template <typename T>
 struct WaitThenPrefetchEpilogue {
   const StreamArgs& a;
