@@ -931,7 +931,7 @@ constexpr int kMaxClusterBlocks = 16;  // Hopper's largest cluster (non-portable
 // thread's epilogue inputs and bias into L1, to be loaded once its sums are pushed. Loading
 // them here would hold them in registers through the staging and streaming, and in half
 // precision their conversions (or, where registers run short, their spills) make the thread
-// wait for the loads before it stages its input (bf16 blocks' waits ended 0.5 µs later
+// wait for the loads before it stages its input (bf16 blocks' waits ended up to 0.5 µs later
 // than fp32's: BENCHMARKS.md).
 template <typename T>
 struct WaitThenPrefetchEpilogue {
