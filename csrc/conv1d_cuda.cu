@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -1387,6 +1388,48 @@ void set_kernel_attributes(void (*kernel)(Params...), int cluster_blocks, size_t
   }
 }
 
+// A launch of kThreads-thread blocks on the current stream, with the attributes it asks for.
+// config.attrs points into the object, so it is not copied.
+class LaunchConfig {
+ public:
+  LaunchConfig(dim3 grid, size_t shared_bytes) {
+    config_.gridDim = grid;
+    config_.blockDim = dim3(kThreads);
+    config_.dynamicSmemBytes = shared_bytes;
+    config_.stream = at::cuda::getCurrentCUDAStream();
+    config_.attrs = attributes_;
+  }
+  LaunchConfig(const LaunchConfig&) = delete;
+  LaunchConfig& operator=(const LaunchConfig&) = delete;
+
+  // Clusters of `blocks` blocks (0: not a cluster launch).
+  void clusters(int blocks) {
+    if (blocks == 0) return;
+    cudaLaunchAttribute& attribute = next();
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim = {static_cast<unsigned>(blocks), 1, 1};
+  }
+  void programmatic_dependent() {
+    cudaLaunchAttribute& attribute = next();
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+  }
+  void cooperative() {
+    cudaLaunchAttribute& attribute = next();
+    attribute.id = cudaLaunchAttributeCooperative;
+    attribute.val.cooperative = 1;
+  }
+  const cudaLaunchConfig_t* get() const { return &config_; }
+
+ private:
+  cudaLaunchAttribute& next() {
+    TORCH_INTERNAL_ASSERT(config_.numAttrs < std::size(attributes_));
+    return attributes_[config_.numAttrs++];
+  }
+  cudaLaunchConfig_t config_ = {};
+  cudaLaunchAttribute attributes_[2];
+};
+
 // Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
 // idle while it runs.
 int wave_blocks() {
@@ -1429,17 +1472,10 @@ bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_
   auto found = resident.find(key);
   if (found == resident.end()) {
     set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster_blocks * clusters);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = shared_bytes;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
-    config.attrs = attribute;
-    config.numAttrs = 1;
+    LaunchConfig launch(dim3(cluster_blocks * clusters), shared_bytes);
+    launch.clusters(cluster_blocks);
     int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &config));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, launch.get()));
     found = resident.emplace(key, n).first;
   }
   return found->second >= clusters;
@@ -1562,22 +1598,10 @@ template <typename... Params, typename... Args>
 void launch_streaming(void (*kernel)(Params...), dim3 grid, int cluster_blocks, size_t shared_bytes,
                       Args... args) {
   set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attributes[2];
-  config.attrs = attributes;
-  if (use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9) {
-    attributes[config.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[config.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster_blocks > 0) {
-    attributes[config.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attributes[config.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster_blocks), 1, 1};
-  }
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+  LaunchConfig launch(grid, shared_bytes);
+  if (use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9) launch.programmatic_dependent();
+  launch.clusters(cluster_blocks);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, args...));
 }
 
 }  // namespace
@@ -2100,17 +2124,9 @@ void StreamProgram::Impl::launch(const at::Tensor& stages_on_device, const char*
   TORCH_CHECK(failure.empty(), "StreamProgram.", method, ": the recording failed: ", failure);
   const Impl& p = *this;
   const c10::cuda::CUDAGuard guard(p.options->device());
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.grid);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = p.shared_bytes;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeCooperative;
-  attribute[0].val.cooperative = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, p.kernel,
+  LaunchConfig launch(dim3(p.grid), p.shared_bytes);
+  launch.cooperative();
+  C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), p.kernel,
                                     reinterpret_cast<const ProgramStage*>(stages_on_device.data_ptr()),
                                     static_cast<int>(p.stages.size()), p.done.data_ptr<int>(),
                                     program_options.load()));
