@@ -1522,9 +1522,9 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   // A one-block cluster has no distributed shared memory to push into (compute-sanitizer
   // flags it), and split-K with one split costs the same on such a small layer.
   if (row_tiles * splits < 2) return false;
-  auto kernel = vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
-                           : stream_conv_cluster_kernel<T, NT, R, 1, false>;
-  if (bulk) kernel = stream_conv_cluster_kernel<T, NT, R, kVec, true>;
+  const auto kernel = bulk         ? stream_conv_cluster_kernel<T, NT, R, kVec, true>
+                      : vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
+                                   : stream_conv_cluster_kernel<T, NT, R, 1, false>;
   if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
   a.split_len = split_len;
   a.splits = splits;
