@@ -255,8 +255,9 @@ def test_both_cuda_routes(route, threshold, dtype):
         ops.set_gemm_path_min_positions(default)
 
 
-# Streaming-route shapes for the two GroupNorm kernels: U-Net layers (the L4 ones' slices are
-# too long for clusters: split-K either way), a group of 16 row tiles and no split, groups
+# Streaming-route shapes for the two GroupNorm kernels: U-Net layers (1024->1024 L4 streams
+# through the cluster's weight ring; 2048->2048 L4's slice is too long for a cluster, so
+# split-K either way), a group of 16 row tiles and no split, groups
 # narrower than a row tile or than the cluster, odd batches up to 31 positions, a group too
 # small for a cluster of two.
 CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2048, 4, 5, 8),
@@ -268,10 +269,12 @@ CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2
                   (1, 1304, 200, 4, 5, 8), (2, 1024, 512, 2, 5, 8), (1, 512, 1024, 8, 5, 8),
                   # Slices longer than the ring (96 KB a block on an H100), so that its stages are
                   # refilled: two of eight warps holding rows (2432 or 2560 of 37000 per block:
-                  # 19 chunks and 3 stages in fp32, 10 and 3 in half precision); at 16 positions
-                  # a 1280-long slice (half precision: 5 chunks, 2 stages; fp32 takes split-K).
-                  # fp32 refills in the 1024-wide shapes too.
-                  (1, 7400, 16, 4, 5, 2), (1, 512, 512, 16, 5, 8), (1, 4096, 32, 16, 5, 2)]
+                  # 19 chunks and 3 stages in fp32, 10 and 3 in half precision); in half
+                  # precision (fp32 takes split-K there) 1792 of 28000 at 8 positions (7 chunks,
+                  # 2 stages) and 1280 at 16 (5 chunks, 2 stages). fp32 refills in the
+                  # 1024-wide shapes too.
+                  (1, 7400, 16, 4, 5, 2), (1, 512, 512, 16, 5, 8), (1, 5600, 16, 8, 5, 2),
+                  (1, 4096, 32, 16, 5, 2)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
