@@ -30,8 +30,8 @@
 // which meets in distributed shared memory instead of the workspace; program_kernel runs a
 // recorded sequence of these problems as the stages of one persistent launch (experimental:
 // StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions
-// each weight feeds enough outputs that im2col + cuBLAS (or cuDNN) wins; the GroupNorm
-// epilogue is then one more launch (group_norm_epilogue_kernel).
+// each weight feeds enough outputs that im2col + cuBLAS wins; the epilogue is then one more
+// launch (group_norm_epilogue_kernel, conv_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1296,32 +1296,118 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 }
 
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
-// pre: [C_out, B * L] (the GEMM's layout), pre-activations including the bias.
+// pre: [C_out, B * L] (the GEMM's layout), pre-activations without the bias. A group of up to
+// kHeldPerThread * kThreads elements (every U-Net group of horizon 16) is read once into
+// registers, with its epilogue inputs, and both statistics passes run on the registers: the
+// two re-reads of normalize_group were dependent L2 round trips, on a kernel that is all
+// latency (~6 µs a launch at batch 64, BENCHMARKS.md). Few enough held that a batch 64
+// U-Net's blocks are resident at once. Same summation order as normalize_group, so the same
+// bits.
+constexpr int kHeldPerThread = 4;
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const StreamArgs a, const T* pre) {
+__global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const StreamArgs a, const T* pre_data) {
   __shared__ float scratch[kWarps];
   __shared__ float2 stats[1];
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
-  const int cpg = a.cout / a.groups;
-  normalize_group<T>(a, GemmPre<T>{pre, static_cast<int64_t>(a.batch) * a.lout, a.bias}, g * cpg,
-                     (g + 1) * cpg, b, b + 1, scratch, stats);
+  const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
+  const GemmPre<T> pre{pre_data, static_cast<int64_t>(a.batch) * L, a.bias};
+  if (count > kHeldPerThread * kThreads) {
+    return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
+  }
+  float v[kHeldPerThread];
+  Epilogue e[kHeldPerThread];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads, c = g * cpg + i / L, l = i % L;
+    if (i < count) {
+      v[j] = pre(c, b * L + l);
+      e[j] = load_epilogue<T>(a, b, c, l);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j)
+    if (threadIdx.x + j * kThreads < count) s += v[j];
+  const float mean = block_sum(s, scratch) / count;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    if (threadIdx.x + j * kThreads < count) {
+      const float d = v[j] - mean;
+      sq += d * d;
+    }
+  }
+  const float rstd = rsqrtf(block_sum(sq, scratch) / count + a.eps);
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < count) {
+      const float out = mish((v[j] - mean) * rstd * e[j].gamma + e[j].beta);
+      store_output<T>(a, b, g * cpg + i / L, i % L, apply_epilogue(e[j], out));
+    }
+  }
 }
 
-// The GEMM route's im2col of a GroupNorm conv (stride 1, length kept):
-// cols[c * K + k][b * L + l] = x[b, c, l + k - pad], zeros outside x. One launch, where ATen's
-// pad, unfold and reshape took two copies.
+// The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
+// [m, positions] result, written as [B, C_out, L_out]. A transposed conv's result has a row
+// per (output channel, tap) and a column per input position; each output position adds up
+// the taps that land on it (col2im), in tap order. The host keeps every index below 2^31.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, T* cols) {
-  const T* x = static_cast<const T*>(a.x);
-  const int64_t positions = a.positions;
-  const int64_t total = a.red * positions;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int row = static_cast<int>(i / positions), n = static_cast<int>(i - row * positions);
-    const int c = row / a.ksize, k = row - c * a.ksize;
-    const int b = n / a.lout, l = n - b * a.lout;
-    const int pos = l + k - a.pad;
-    cols[i] = pos >= 0 && pos < a.lin ? x[b * a.x_sb + c * a.x_sc + pos * a.x_sl] : static_cast<T>(0.f);
+__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const T* pre,
+                                                                 bool transposed) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= a.batch * a.cout * a.lout) return;
+  const int row = i / a.lout, o = i - row * a.lout, b = row / a.cout, c = row - b * a.cout;
+  float v = a.bias ? load_float<T>(a.bias, c) : 0.f;
+  if (transposed) {
+    for (int k = 0; k < a.ksize; ++k) {
+      const int t = o + a.pad - k, in = t / a.stride;
+      if (t >= 0 && in * a.stride == t && in < a.lin)
+        v += static_cast<float>(pre[(c * a.ksize + k) * a.positions + b * a.lin + in]);
+    }
+  } else {
+    v += static_cast<float>(pre[c * a.positions + b * a.lout + o]);
+  }
+  if (a.residual) v += load_float<T>(a.residual, i);
+  static_cast<T*>(a.out)[i] = static_cast<T>(v);
+}
+
+// Which columns the GEMM route's im2col builds: cols[c * taps + k][b * length + l] =
+// x[b, c, l * stride + k - pad], zeros outside x. A conv's are its taps at its output
+// positions; a transposed conv's GEMM reads x itself, one column per input position.
+struct Im2col {
+  int taps, length, stride, pad;
+};
+
+// blockIdx.x picks positions, blockIdx.y rows, so that each element costs 32-bit arithmetic
+// only: one 64-bit division per element made this kernel instruction-bound (~7 µs a launch
+// at batch 64, BENCHMARKS.md). A thread's rows are loaded together, then stored: one round
+// trip of latency for all of them. One launch, where ATen's pad, unfold and reshape took two
+// copies.
+constexpr int kIm2colRowsPerThread = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, const Im2col cut,
+                                                          int rows, T* __restrict__ cols) {
+  const int positions = a.batch * cut.length;
+  const int n = blockIdx.x * kThreads + threadIdx.x;
+  if (n >= positions) return;
+  const int b = n / cut.length, l = n - b * cut.length;
+  const T* __restrict__ x_b = static_cast<const T*>(a.x) + b * a.x_sb;
+  for (int row0 = blockIdx.y; row0 < rows; row0 += kIm2colRowsPerThread * gridDim.y) {
+    T v[kIm2colRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int row = row0 + j * gridDim.y;
+      const int c = row / cut.taps, pos = l * cut.stride + row - c * cut.taps - cut.pad;
+      v[j] = row < rows && pos >= 0 && pos < a.lin ? x_b[c * a.x_sc + pos * a.x_sl] : static_cast<T>(0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int row = row0 + j * gridDim.y;
+      if (row < rows) cols[static_cast<int64_t>(row) * positions + n] = v[j];
+    }
   }
 }
 
@@ -1846,19 +1932,23 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   launch_streaming(la.pair_kernel, grid, 0, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
-// im2col + one cuBLAS GEMM over every position: [C_out, B * L] pre-activations without the
-// bias (GemmPre adds it), in x's dtype (tensor cores for fp16 / bf16; fp32 follows
-// torch.backends.cuda.matmul.allow_tf32, off by default).
-at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight) {
+// im2col + one cuBLAS GEMM over every position: the [m, positions] result (StreamArgs' GEMM
+// view) without the bias, which the epilogue adds, in x's dtype (tensor cores for fp16 /
+// bf16; fp32 follows torch.backends.cuda.matmul.allow_tf32, off by default).
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight,
+                        bool transposed) {
+  const Im2col cut = transposed ? Im2col{1, a.lin, 1, 0} : Im2col{a.ksize, a.lout, a.stride, a.pad};
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
-  const int64_t total = static_cast<int64_t>(a.red) * a.positions;
-  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 8 * wave_blocks()));
+  const dim3 grid(ceil_div(a.positions, kThreads), std::min(ceil_div(a.red, kIm2colRowsPerThread), 65535));
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
-    im2col_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        a, cols.data_ptr<scalar_t>());
+    im2col_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        a, cut, a.red, cols.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return at::mm(weight.reshape({a.cout, a.red}), cols);
+  // A transposed conv's weight [C_in, C_out * K] is the GEMM's transposed operand (cuBLAS
+  // reads it in place).
+  return at::mm(transposed ? weight.reshape({a.red, a.m}).t() : weight.reshape({a.m, a.red}), cols)
+      .contiguous();
 }
 
 // A conv1d_gn_mish call's operands, made contiguous (and kept alive here until the launch is
@@ -1946,7 +2036,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
   if (c.a.positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d_gn_mish");
-    const at::Tensor pre = conv_as_gemm(c.a, x, c.weight).contiguous();
+    const at::Tensor pre = conv_as_gemm(c.a, x, c.weight, false);
     DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
       group_norm_epilogue_kernel<scalar_t>
           <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0,
@@ -1969,6 +2059,21 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
   if (positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d");
+    const int64_t gemm_rows = transposed ? p.out_channels * p.kernel_size : p.out_channels;
+    const int64_t largest = std::max({p.batch * p.out_channels * p.out_length, gemm_rows * positions,
+                                      p.batch * p.in_channels * p.in_length});
+    if (largest <= std::numeric_limits<int>::max()) {
+      ConvCall c = conv_call(p, x, weight, bias, residual);
+      const at::Tensor pre = conv_as_gemm(c.a, x, c.weight, transposed);
+      DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d", [&] {
+        conv_epilogue_kernel<scalar_t><<<ceil_div(c.out.numel(), kThreads), kThreads, 0,
+                                         at::cuda::getCurrentCUDAStream()>>>(
+            c.a, pre.data_ptr<scalar_t>(), transposed);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      return c.out;
+    }
+    // Past 32-bit indices, cuDNN's convolution.
     at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
                                 : at::conv1d(x, weight, bias, stride, padding);
     if (residual.has_value()) out.add_(*residual);

@@ -26,7 +26,7 @@ def built_with_cuda() -> bool:
 
 def set_gemm_path_min_positions(positions: int) -> int:
     """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
-    (or cuDNN) instead of their weight-streaming kernels; returns the previous value.
+    instead of their weight-streaming kernels; returns the previous value.
     Process-wide; meant for benchmarking and tuning (scripts/bench_conv_blocks.py
     --sweep-paths)."""
     return _C.set_gemm_path_min_positions(int(positions))

@@ -3,7 +3,7 @@ fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups
 blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
 transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv streamed through
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
-shortcut in one launch or, misaligned, two), denoise steps, and a small U-Net's denoising
+shortcut in one launch or, misaligned, two), the im2col + GEMM route of both ops, denoise steps, and a small U-Net's denoising
 loop with its forward as one persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
 
@@ -51,15 +51,33 @@ def main():
                                            torch.randn(cout, device="cuda"),
                                            film=torch.randn(batch, 2 * cout, device="cuda"), counters=counters)
         assert all(torch.isfinite(out).all() for out in outs)
-    for batch, cin, cout, length, k, stride, padding, transposed in [
-            (1, 512, 512, 16, 3, 2, 1, False), (3, 7, 5, 9, 4, 3, 2, False), (1, 6, 9, 10, 7, 2, 0, False),
-            (1, 512, 512, 4, 4, 2, 1, True), (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True),
-            (2, 2048, 512, 4, 1, 1, 0, False), (1, 256, 2, 16, 1, 1, 0, False)]:
+    conv_shapes = [(1, 512, 512, 16, 3, 2, 1, False), (3, 7, 5, 9, 4, 3, 2, False), (1, 6, 9, 10, 7, 2, 0, False),
+                   (1, 512, 512, 4, 4, 2, 1, True), (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True),
+                   (2, 9, 24, 5, 2, 3, 0, True), (2, 2048, 512, 4, 1, 1, 0, False), (1, 256, 2, 16, 1, 1, 0, False)]
+    for batch, cin, cout, length, k, stride, padding, transposed in conv_shapes:
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
             w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=dtype)
             out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, counters=counters)
             assert torch.isfinite(out).all()
+    # The same convs, and GroupNorm convs, on the im2col + GEMM route (bias, FiLM, residual).
+    default = ops.set_gemm_path_min_positions(1)
+    for batch, cin, cout, length, k, stride, padding, transposed in conv_shapes:
+        x = torch.randn(batch, cin, length, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=torch.bfloat16)
+        out = ops.conv1d(x, w, torch.randn(cout, device="cuda", dtype=torch.bfloat16), stride, padding,
+                         transposed=transposed)
+        out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, residual=out)
+        assert torch.isfinite(out).all()
+    for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (2, 9, 24, 1, 5, 24), (5, 64, 256, 8, 5, 8),
+                                                 (2, 8, 16, 200, 3, 2)]:
+        x = torch.randn(batch, cin, length, device="cuda")
+        w = torch.randn(cout, cin, k, device="cuda")
+        out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,
+                                 film=torch.randn(batch, 2 * cout, device="cuda"),
+                                 residual=torch.randn(batch, cout, length, device="cuda"))
+        assert torch.isfinite(out).all()
+    ops.set_gemm_path_min_positions(default)
     assert int(counters.abs().sum()) == 0
     from diffusers import DDPMScheduler
     sched = DenoiseSchedule.from_diffusers(

@@ -92,9 +92,10 @@ def test_matches_float64_reference(shape, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", BATCH64_SHAPES, ids=str)
-def test_batch_64(shape, device):
-    check(shape, torch.float32, device)
+def test_batch_64(shape, dtype, device):
+    check(shape, dtype, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,15 +191,18 @@ def test_mixed_devices_raise(name):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("cuDNN", 1)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_both_cuda_routes(route, threshold, dtype):
-    """The op picks its CUDA route by batch * length; each route must be right on every shape."""
+@pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_both_cuda_routes(route, threshold, dtype, with_residual):
+    """The op picks its CUDA route by batch * length; each route must be right on every shape
+    (ODD_SHAPES: strides past the kernel size, taps that land on no output, length 1)."""
     default = ops.set_gemm_path_min_positions(threshold)
     try:
         for shape in [(1, 256, 256, 16, 3, 2, 1, False), (3, 7, 6, 3, 4, 2, 1, True),
-                      (8, 64, 96, 4, 1, 1, 0, False), (2, 9, 24, 5, 5, 3, 2, True)]:
-            check(shape, dtype, "cuda")
+                      (8, 64, 96, 4, 1, 1, 0, False), (2, 9, 24, 5, 5, 3, 2, True),
+                      (2, 9, 24, 5, 2, 3, 0, True)] + ODD_SHAPES:
+            check(shape, dtype, "cuda", with_residual=with_residual)
     finally:
         ops.set_gemm_path_min_positions(default)
 

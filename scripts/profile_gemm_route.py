@@ -1,0 +1,108 @@
+"""Where a U-Net forward's GPU time goes on the convs' im2col + cuBLAS route (batch x length
+>= 32), kernel by kernel, and whether splitting its GEMMs over K by hand would pay.
+
+Default: the GPU time of one forward of the lowdim and image U-Nets per kernel name (torch
+profiler, 5 forwards averaged, not graphed: FiLM's Linear and Mish kernels show here but are
+hoisted out of GraphedSampler's loop). --by-shape adds the profiler's per-op table grouped
+by input shapes. --split-k instead times every GroupNorm conv's GEMM at batch 8 and 64 in
+one cuBLAS call against a strided batched GEMM over S slices of K with fp32 partials (S =
+2..16), each in a CUDA graph of enough weight copies to overflow L2.
+
+    python scripts/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
+    python scripts/profile_gemm_route.py --split-k
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+from bench_conv_blocks import UNETS as WIDTHS, conv_block_shapes, graph_time_ms
+from benchmark import HORIZON, UNETS
+
+from diffusion_policy_accelerated import ConditionalUnet1D
+
+SPLITS = (2, 4, 8, 16)
+
+
+def split_k_table():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float32):
+        print(f"== {dtype}: GEMM [M, K] x [K, N] us, whole and split S ways; "
+              f"sum8 = adding up 8 fp32 partials; err = S=4 against float64")
+        print(f"{'unet':8} {'B':>3} {'M':>5} {'N':>5} {'K':>6} {'mm':>7}"
+              + "".join(f" {'S=' + str(s):>7}" for s in SPLITS) + f" {'sum8':>7}")
+        for unet, dims in WIDTHS.items():
+            seen = set()
+            for cin, cout, length, k, _ in conv_block_shapes(dims):
+                if (cin, cout, length) in seen:
+                    continue
+                seen.add((cin, cout, length))
+                for batch in (8, 64):
+                    M, K, N = cout, cin * k, batch * length
+                    copies = max(2, min(64, -(-160_000_000 // (M * K * dtype.itemsize))))
+                    ws = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(copies)]
+                    cols = torch.randn(K, N, device="cuda", dtype=dtype)
+                    fp32_out = {} if dtype == torch.float32 else dict(out_dtype=torch.float32)
+
+                    def split_gemm(w, s):
+                        return torch.bmm(w.as_strided((s, M, K // s), (K // s, K, 1)),
+                                         cols.view(s, K // s, N), **fp32_out)
+
+                    row = [graph_time_ms(lambda i: torch.mm(ws[i], cols), copies)]
+                    row += [graph_time_ms(lambda i: split_gemm(ws[i], s), copies) if K % (8 * s) == 0
+                            else float("nan") for s in SPLITS]
+                    partials = torch.randn(8, M, N, device="cuda")
+                    row.append(graph_time_ms(lambda i: partials.sum(0), 4))
+                    err = ""
+                    if K % 32 == 0:
+                        ref = torch.mm(ws[0].double(), cols.double())
+                        got = split_gemm(ws[0], 4).sum(0).double()
+                        err = f"  err {((got - ref).abs().max() / ref.abs().max()).item():.1e}"
+                    print(f"{unet[:8]:8} {batch:3} {M:5} {N:5} {K:6}"
+                          + "".join(f" {1e3 * t:7.1f}" for t in row) + err, flush=True)
+
+
+def kernel_breakdown(batch, dtype, by_shape, forwards=5):
+    for name in ("lowdim", "image"):
+        unet = ConditionalUnet1D(**UNETS[name]).cuda().eval().to(dtype)
+        sample = torch.randn(batch, HORIZON, 2, device="cuda", dtype=dtype)
+        cond = torch.randn(batch, UNETS[name]["global_cond_dim"], device="cuda", dtype=dtype)
+        timestep = torch.full((batch,), 10, device="cuda")
+        activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        with torch.inference_mode():
+            for _ in range(3):
+                unet(sample, timestep, global_cond=cond)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities, record_shapes=by_shape) as prof:
+                for _ in range(forwards):
+                    unet(sample, timestep, global_cond=cond)
+                torch.cuda.synchronize()
+        by_kernel = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[event.name[:90]][0] += event.device_time_total / forwards
+                by_kernel[event.name[:90]][1] += 1
+        total = sum(us for us, _ in by_kernel.values())
+        print(f"== {name} {str(dtype)[6:]} B{batch} forward: {total:.1f} us of kernels")
+        for kernel, (us, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:14]:
+            print(f"{us:8.1f} us {calls // forwards:4d}x  {kernel}")
+        if by_shape:
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total", row_limit=22, max_name_column_width=30,
+                max_shapes_column_width=70))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--by-shape", action="store_true", help="also the per-op table by input shapes")
+    parser.add_argument("--split-k", action="store_true", help="time the GEMMs split over K instead")
+    args = parser.parse_args()
+    if args.split_k:
+        split_k_table()
+    else:
+        kernel_breakdown(args.batch, getattr(torch, args.dtype), args.by_shape)
+
+
+if __name__ == "__main__":
+    main()
