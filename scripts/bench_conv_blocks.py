@@ -38,6 +38,20 @@ def conv_block_shapes(down_dims, horizon=16, input_dim=2, kernel_size=5):
     return [call[1:] for call in conv1d_block_shapes(model, horizon)]
 
 
+def distinct_block_shapes(down_dims):
+    """conv_block_shapes without repeats of (in_channels, out_channels, length)."""
+    seen = set()
+    for shape in conv_block_shapes(down_dims):
+        if shape[:3] not in seen:
+            seen.add(shape[:3])
+            yield shape
+
+
+def weight_copies(weight_bytes):
+    """How many copies of a weight overflow the L2 cache (160 MB of them, 2 to 64)."""
+    return max(2, min(64, -(-160_000_000 // weight_bytes)))
+
+
 def graph_time_ms(fn, copies, replays=30):
     """Median time of one call: a graph of `copies` calls (one per weight copy), replayed."""
     stream = torch.cuda.Stream()
@@ -89,14 +103,10 @@ def main():
               + (f" {'split-K us':>10}" if args.split_k else ""))
     print(header)
     for unet, dims in UNETS.items():
-        seen = set()
-        for cin, cout, length, k, groups in conv_block_shapes(dims):
-            if (cin, cout, length) in seen:
-                continue
-            seen.add((cin, cout, length))
+        for cin, cout, length, k, groups in distinct_block_shapes(dims):
             for batch in args.batch:
                 weight_bytes = cout * cin * k * dtype.itemsize
-                copies = max(2, min(64, -(-160_000_000 // weight_bytes)))
+                copies = weight_copies(weight_bytes)
                 ws = [torch.randn(cout, cin, k, device="cuda", dtype=dtype) * (cin * k) ** -0.5
                       for _ in range(copies)]
                 x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)

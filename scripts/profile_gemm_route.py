@@ -15,7 +15,7 @@ import argparse
 from collections import defaultdict
 
 import torch
-from bench_conv_blocks import UNETS as WIDTHS, conv_block_shapes, graph_time_ms
+from bench_conv_blocks import UNETS as WIDTHS, distinct_block_shapes, graph_time_ms, weight_copies
 from benchmark import HORIZON, UNETS
 
 from diffusion_policy_accelerated import ConditionalUnet1D
@@ -31,14 +31,10 @@ def split_k_table():
         print(f"{'unet':8} {'B':>3} {'M':>5} {'N':>5} {'K':>6} {'mm':>7}"
               + "".join(f" {'S=' + str(s):>7}" for s in SPLITS) + f" {'sum8':>7}")
         for unet, dims in WIDTHS.items():
-            seen = set()
-            for cin, cout, length, k, _ in conv_block_shapes(dims):
-                if (cin, cout, length) in seen:
-                    continue
-                seen.add((cin, cout, length))
+            for cin, cout, length, k, _ in distinct_block_shapes(dims):
                 for batch in (8, 64):
                     M, K, N = cout, cin * k, batch * length
-                    copies = max(2, min(64, -(-160_000_000 // (M * K * dtype.itemsize))))
+                    copies = weight_copies(M * K * dtype.itemsize)
                     ws = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(copies)]
                     cols = torch.randn(K, N, device="cuda", dtype=dtype)
                     fp32_out = {} if dtype == torch.float32 else dict(out_dtype=torch.float32)
