@@ -11,7 +11,7 @@ The second decides: (1) runs the same kernel back to back, warm, which the loop 
     python scripts/ab_shortcut.py
 """
 import torch
-from bench_conv_blocks import graph_time_ms
+from bench_conv_blocks import graph_time_ms, weight_copies
 from benchmark import SCHEDULER_CONFIG, UNETS, median_ms
 from diffusers import DDPMScheduler
 
@@ -29,7 +29,7 @@ def per_shape():
     print("C_in C_out L dtype | paired us | block + shortcut us | block alone | shortcut alone", flush=True)
     for dtype in DTYPES:
         for cin, cout, length in SHAPES:
-            copies = max(2, min(64, -(-160_000_000 // (cout * cin * 6 * dtype.itemsize))))
+            copies = weight_copies(cout * cin * 6 * dtype.itemsize)
             rand = lambda *s, scale=0.05: (torch.randn(*s, device="cuda") * scale).to(dtype)
             ws = [rand(cout, cin, 5) for _ in range(copies)]
             shortcuts = [rand(cout, cin, 1) for _ in range(copies)]
