@@ -1932,11 +1932,8 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   launch_streaming(la.pair_kernel, grid, 0, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
-// im2col + one cuBLAS GEMM over every position: the [m, positions] result (StreamArgs' GEMM
-// view) without the bias, which the epilogue adds, in x's dtype (tensor cores for fp16 /
-// bf16; fp32 follows torch.backends.cuda.matmul.allow_tf32, off by default).
-at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight,
-                        bool transposed) {
+// The GEMM route's B operand: [red, positions] (StreamArgs' GEMM view).
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, bool transposed) {
   const Im2col cut = transposed ? Im2col{1, a.lin, 1, 0} : Im2col{a.ksize, a.lout, a.stride, a.pad};
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
   const dim3 grid(ceil_div(a.positions, kThreads), std::min(ceil_div(a.red, kIm2colRowsPerThread), 65535));
@@ -1945,6 +1942,15 @@ at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tens
         a, cut, a.red, cols.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  return cols;
+}
+
+// im2col + one cuBLAS GEMM over every position: the [m, positions] result without the bias,
+// which the epilogue adds, in x's dtype (tensor cores for fp16 / bf16; fp32 follows
+// torch.backends.cuda.matmul.allow_tf32, off by default).
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight,
+                        bool transposed) {
+  const at::Tensor cols = im2col(a, x, transposed);
   // A transposed conv's weight [C_in, C_out * K] is the GEMM's transposed operand (cuBLAS
   // reads it in place).
   return at::mm(transposed ? weight.reshape({a.red, a.m}).t() : weight.reshape({a.m, a.red}), cols)
@@ -2023,6 +2029,32 @@ int* counters_data(const std::optional<at::Tensor>& counters) {
   return counters.has_value() ? counters->data_ptr<int>() : nullptr;
 }
 
+void launch_group_norm_epilogue(const GnMishCall& c, const at::Tensor& pre) {
+  DPA_DISPATCH_FLOAT_TYPES(pre.scalar_type(), "conv1d_gn_mish", [&] {
+    group_norm_epilogue_kernel<scalar_t>
+        <<<static_cast<unsigned>(c.a.batch * c.a.groups), kThreads, 0,
+           at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void launch_conv_epilogue(const ConvCall& c, const at::Tensor& pre, bool transposed) {
+  DPA_DISPATCH_FLOAT_TYPES(pre.scalar_type(), "conv1d", [&] {
+    conv_epilogue_kernel<scalar_t><<<ceil_div(c.out.numel(), kThreads), kThreads, 0,
+                                     at::cuda::getCurrentCUDAStream()>>>(
+        c.a, pre.data_ptr<scalar_t>(), transposed);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// conv_epilogue_kernel indexes in 32 bits.
+bool conv_epilogue_fits(const ConvProblem& p) {
+  const int64_t positions = p.batch * (p.transposed ? p.in_length : p.out_length);
+  const int64_t gemm_rows = p.transposed ? p.out_channels * p.kernel_size : p.out_channels;
+  return std::max({p.batch * p.out_channels * p.out_length, gemm_rows * positions,
+                   p.batch * p.in_channels * p.in_length}) <= std::numeric_limits<int>::max();
+}
+
 at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& gn_weight,
@@ -2036,13 +2068,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
   if (c.a.positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d_gn_mish");
-    const at::Tensor pre = conv_as_gemm(c.a, x, c.weight, false);
-    DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d_gn_mish", [&] {
-      group_norm_epilogue_kernel<scalar_t>
-          <<<static_cast<unsigned>(p.batch * p.groups), kThreads, 0,
-             at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    launch_group_norm_epilogue(c, conv_as_gemm(c.a, x, c.weight, false));
     return c.out;
   }
   run_streaming(c.a, p, x, c.weight, counters_data(counters), c.operands());
@@ -2059,18 +2085,9 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
   if (positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d");
-    const int64_t gemm_rows = transposed ? p.out_channels * p.kernel_size : p.out_channels;
-    const int64_t largest = std::max({p.batch * p.out_channels * p.out_length, gemm_rows * positions,
-                                      p.batch * p.in_channels * p.in_length});
-    if (largest <= std::numeric_limits<int>::max()) {
+    if (conv_epilogue_fits(p)) {
       ConvCall c = conv_call(p, x, weight, bias, residual);
-      const at::Tensor pre = conv_as_gemm(c.a, x, c.weight, transposed);
-      DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "conv1d", [&] {
-        conv_epilogue_kernel<scalar_t><<<ceil_div(c.out.numel(), kThreads), kThreads, 0,
-                                         at::cuda::getCurrentCUDAStream()>>>(
-            c.a, pre.data_ptr<scalar_t>(), transposed);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+      launch_conv_epilogue(c, conv_as_gemm(c.a, x, c.weight, transposed), transposed);
       return c.out;
     }
     // Past 32-bit indices, cuDNN's convolution.
@@ -2094,8 +2111,20 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
       x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, film,
       counters);
   const c10::cuda::CUDAGuard guard(x.device());
+  if (p.batch * p.out_length >= gemm_path_min_positions.load() && conv_epilogue_fits(ps)) {
+    note_gemm_route("conv1d_gn_mish_shortcut");
+    GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
+    ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
+    // The 1x1 shortcut's columns are the GroupNorm conv's centre-tap rows (tap k = pad reads
+    // x[b, c, l]): one im2col serves both GEMMs.
+    const at::Tensor cols = im2col(c.a, x, false);
+    const at::Tensor centre = cols.as_strided({p.in_channels, c.a.positions},
+                                              {p.kernel_size * c.a.positions, 1}, c.a.pad * c.a.positions);
+    launch_group_norm_epilogue(c, at::mm(c.weight.reshape({c.a.m, c.a.red}), cols).contiguous());
+    launch_conv_epilogue(cs, at::mm(cs.weight.reshape({cs.a.m, cs.a.red}), centre).contiguous(), false);
+    return {c.out, cs.out};
+  }
   if (p.batch * p.out_length >= gemm_path_min_positions.load()) {
-    // Each conv is then a GEMM of its own; sharing a launch buys nothing.
     const std::optional<at::Tensor> none;
     return {conv1d_gn_mish_cuda(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
             conv1d_cuda(x, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};

@@ -94,11 +94,16 @@ def test_misaligned_shortcut_weight_takes_two_launches(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
-def test_both_cuda_routes(route, threshold):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_both_cuda_routes(route, threshold, dtype):
+    """The GEMM route's shortcut reads the first conv's centre-tap columns in place: an odd
+    number of positions puts them at an offset no multiple of 16 bytes."""
     default = ops.set_gemm_path_min_positions(threshold)
     try:
-        for shape in [(1, 256, 512, 8, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8)]:
-            check(shape, torch.float32, "cuda")
+        for shape in [(1, 256, 512, 8, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
+                      (5, 33, 40, 7, 7, 5), (2, 9, 24, 1, 1, 24)]:
+            for channels in (None, 3):
+                check(shape, dtype, "cuda", shortcut_channels=channels)
     finally:
         ops.set_gemm_path_min_positions(default)
 
