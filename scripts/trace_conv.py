@@ -14,7 +14,12 @@ group's statistics known ("stats"); split-K kernel, when the partial sums were c
 statistics known; and when the launch's last block was done ("done": the launch's time).
 Medians over launches and replays.
 
+--upsample C,L traces Diffusion Policy's Upsample1d instead (ConvTranspose1d(C, C, 4, 2, 1) at
+input length L, one kernel: split-K blocks whose finishing block folds the taps into
+positions).
+
     python scripts/trace_conv.py [--shape 256,256,16 1024,1024,4] [--dtype float32] [--batch 1]
+    python scripts/trace_conv.py --upsample 256,8 512,4 [--dtype bfloat16]
 """
 import argparse
 import statistics
@@ -49,13 +54,17 @@ def launch_rows(trace, blocks):
     return rows
 
 
-def trace_layer(cin, cout, length, batch, dtype, launches=8, replays=5):
-    ws = [torch.randn(cout, cin, 5, device="cuda", dtype=dtype) * (cin * 5) ** -0.5 for _ in range(launches)]
+def trace_layer(cin, cout, length, batch, dtype, launches=8, replays=5, upsample=False):
+    shape = (cin, cout, 4) if upsample else (cout, cin, 5)
+    ws = [torch.randn(*shape, device="cuda", dtype=dtype) * (cin * 5) ** -0.5 for _ in range(launches)]
     x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
     b, gamma, beta = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(3))
-    counters = torch.zeros(cout, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(cout * 4, dtype=torch.int32, device="cuda")
     buffer = torch.zeros(launches * 1024, 9, dtype=torch.int64, device="cuda")
-    call = lambda w: ops.conv1d_gn_mish(x, w, b, gamma, beta, 8, counters=counters)
+    if upsample:
+        call = lambda w: ops.conv1d(x, w, b, 2, 1, transposed=True, counters=counters)
+    else:
+        call = lambda w: ops.conv1d_gn_mish(x, w, b, gamma, beta, 8, counters=counters)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for w in ws:  # warm-up outside the graph: planning, attributes
@@ -84,11 +93,19 @@ def main():
                         help="in_channels,out_channels,length (kernel size 5, 8 groups)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--upsample", nargs="+", default=[], help="channels,input length")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, batch {args.batch}: "
           "µs after the previous launch's last block, medians")
     print(f"{'layer':16} {'MB':>6} {'kernel':9} {'blocks':>6} " + " ".join(f"{c:>8}" for c in COLUMNS))
+    for shape in args.upsample:
+        channels, length = map(int, shape.split(","))
+        blocks, values = trace_layer(channels, channels, length, args.batch, dtype, upsample=True)
+        print(f"up {channels} L{length:<9} {channels * channels * 4 * dtype.itemsize / 1e6:6.2f} {'split-K':9} "
+              f"{blocks:6} " + " ".join(f"{v:8.2f}" for v in values), flush=True)
+    if args.upsample:
+        return
     for shape in args.shape:
         cin, cout, length = map(int, shape.split(","))
         mb = cin * cout * 5 * dtype.itemsize / 1e6
