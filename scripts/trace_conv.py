@@ -59,7 +59,7 @@ def trace_layer(cin, cout, length, batch, dtype, launches=8, replays=5, upsample
     ws = [torch.randn(*shape, device="cuda", dtype=dtype) * (cin * 5) ** -0.5 for _ in range(launches)]
     x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
     b, gamma, beta = (torch.randn(cout, device="cuda", dtype=dtype) for _ in range(3))
-    counters = torch.zeros(cout * 4, dtype=torch.int32, device="cuda")
+    counters = torch.zeros(cout, dtype=torch.int32, device="cuda")
     buffer = torch.zeros(launches * 1024, 9, dtype=torch.int64, device="cuda")
     if upsample:
         call = lambda w: ops.conv1d(x, w, b, 2, 1, transposed=True, counters=counters)

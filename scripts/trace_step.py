@@ -19,8 +19,7 @@ from diffusers import DDPMScheduler
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule, ops
 from diffusion_policy_accelerated.sampler import GraphedSampler
 from benchmark import HORIZON, SCHEDULER_CONFIG, UNETS
-
-WAITED = 1  # the trace's column of 'had waited for the previous kernel'
+from trace_conv import WAITED
 
 
 def launch_times(trace, blocks):
