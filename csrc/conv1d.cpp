@@ -64,11 +64,12 @@ ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& wei
                                       int64_t num_groups, double eps,
                                       const std::optional<at::Tensor>& film,
                                       const std::optional<at::Tensor>& residual,
-                                      const std::optional<at::Tensor>& counters, const char* op) {
+                                      const std::optional<at::Tensor>& counters, const char* op,
+                                      int64_t skip_channels) {
   check_input_and_weight(x, weight, op, "[out_channels, in_channels, kernel_size]");
   ConvProblem p{};
   p.batch = x.size(0);
-  p.in_channels = x.size(1);
+  p.in_channels = x.size(1) + skip_channels;
   p.out_channels = weight.size(0);
   p.in_length = p.out_length = x.size(2);
   p.kernel_size = weight.size(2);
@@ -78,7 +79,8 @@ ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& wei
   TORCH_CHECK_VALUE(p.out_channels > 0, op, ": weight must have out_channels >= 1, got shape ",
                     weight.sizes());
   TORCH_CHECK_VALUE(weight.size(1) == p.in_channels, op, ": weight has in_channels ",
-                    weight.size(1), " but x has ", p.in_channels, " channels");
+                    weight.size(1), " but x has ", p.in_channels, " channels",
+                    skip_channels ? " (with skip's)" : "");
   TORCH_CHECK_VALUE(p.kernel_size >= 1 && p.kernel_size % 2 == 1, op,
                     ": kernel_size (weight.size(2)) must be odd so that padding kernel_size // 2 "
                     "keeps the length, got ", p.kernel_size);
@@ -146,10 +148,24 @@ std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
     int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters) {
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
   constexpr const char* op = "conv1d_gn_mish_shortcut";
+  int64_t skip_channels = 0;
+  if (skip.has_value()) {
+    check_float_tensor(x, op, "x");
+    check_dim(x, 3, op, "x", "[batch, in_channels, length]");
+    check_same_device(*skip, x, op, "skip", "x");
+    check_same_dtype(*skip, x, op, "skip", "x");
+    check_dim(*skip, 3, op, "skip", "[batch, skip_channels, length]");
+    TORCH_CHECK_VALUE(skip->size(0) == x.size(0) && skip->size(1) > 0 && skip->size(2) == x.size(2),
+                      op, ": skip must be [", x.size(0), ", skip_channels >= 1, ", x.size(2),
+                      "] like x ", x.sizes(), " (it is concatenated to x's channels), got ",
+                      skip->sizes());
+    skip_channels = skip->size(1);
+  }
   const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
-                                                  eps, film, std::nullopt, std::nullopt, op);
+                                                  eps, film, std::nullopt, std::nullopt, op,
+                                                  skip_channels);
   check_same_device(shortcut_weight, x, op, "shortcut_weight", "x");
   check_same_dtype(shortcut_weight, x, op, "shortcut_weight", "x");
   check_dim(shortcut_weight, 3, op, "shortcut_weight", "[shortcut_channels, in_channels, 1]");
@@ -266,12 +282,13 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
     int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters) {
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
   check_conv1d_gn_mish_shortcut_args(x, weight, bias, gn_weight, gn_bias, num_groups, eps,
-                                     shortcut_weight, shortcut_bias, film, counters);
+                                     shortcut_weight, shortcut_bias, film, counters, skip);
   const std::optional<at::Tensor> none;
-  return {conv1d_gn_mish_cpu(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
-          conv1d_cpu(x, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
+  const at::Tensor input = skip.has_value() ? at::cat({x, *skip}, 1) : x;
+  return {conv1d_gn_mish_cpu(input, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
+          conv1d_cpu(input, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
 }
 
 }  // namespace

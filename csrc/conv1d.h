@@ -10,6 +10,9 @@
 //                   conv1d_gn_mish (with FiLM) and a 1x1 Conv1d of the same x, returned
 //                   together: the first conv of a residual block whose channel count changes
 //                   and the block's shortcut, one launch for both on the CUDA streaming path.
+//                   With `skip`, x is cat((x, skip), dim=1), read in place: the U-Net's up
+//                   path, whose concatenation would otherwise be a launch (and a copy) of its
+//                   own between two convs.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -48,7 +51,8 @@ ConvProblem check_conv1d_gn_mish_args(const at::Tensor& x, const at::Tensor& wei
                                       const std::optional<at::Tensor>& film,
                                       const std::optional<at::Tensor>& residual,
                                       const std::optional<at::Tensor>& counters,
-                                      const char* op = "conv1d_gn_mish");
+                                      const char* op = "conv1d_gn_mish",
+                                      int64_t skip_channels = 0);
 
 ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias, int64_t stride,
@@ -57,13 +61,14 @@ ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& counters);
 
 // (the conv1d_gn_mish problem, the shortcut's). `counters` here needs >= out_channels +
-// shortcut channels elements: the first conv's, then the shortcut's.
+// shortcut channels elements: the first conv's, then the shortcut's. With `skip` ([B, C2, L]
+// like x) the problems' in_channels are x's plus skip's.
 std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
     int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters);
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip);
 
 #ifdef DPA_WITH_CUDA
 // The CUDA implementation streams the weights through a split-K kernel while
@@ -73,9 +78,6 @@ std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
 // (batch 2, length 16); below 32 streaming wins everywhere (BENCHMARKS.md).
 constexpr int64_t kDefaultGemmPathMinPositions = 32;
 extern std::atomic<int64_t> gemm_path_min_positions;
-// Programmatic dependent launch (Hopper+): each streaming kernel starts loading its weights
-// while the kernel before it finishes. Switchable for measurement (ops.set_pdl).
-extern std::atomic<bool> use_pdl;
 // L2 eviction priority of the streamed weights: evict-first (default) keeps activations,
 // partial sums and code in L2 across a forward; normal for measurement
 // (ops.set_weights_evict_first). Read when a launch is made or recorded.
@@ -105,10 +107,9 @@ std::vector<int64_t> stop_launch_trace();
 // replayed as one persistent kernel: run() launches it on the current stream, so it can be
 // captured in a CUDA graph. Between begin() and end(), conv1d_gn_mish, conv1d and
 // conv1d_gn_mish_shortcut calls on this thread return their (unwritten) outputs and add a
-// stage instead of launching. Every stage must read tensors that an earlier stage writes,
-// that were declared with add_input (their contents at run time are used), or a
-// concatenation declared with concat; otherwise, or where an op would not take its
-// streaming route, the recording fails and failure() says why. The program keeps every
+// stage instead of launching. Every stage must read tensors that an earlier stage writes or
+// that were declared with add_input (their contents at run time are used); otherwise, or
+// where an op would not take its streaming route, the recording fails and failure() says why. The program keeps every
 // tensor it reads or writes alive; weights must not be modified in a way that moves them.
 class StreamProgram {
  public:
@@ -116,9 +117,6 @@ class StreamProgram {
   StreamProgram();
   void begin();
   void add_input(const at::Tensor& t);
-  // `placeholder` (a contiguous [B, C1 + C2, L] tensor that is never written) stands for
-  // cat([first, second], dim=1) wherever a later stage reads it as its input.
-  void concat(const at::Tensor& placeholder, const at::Tensor& first, const at::Tensor& second);
   void end();
   bool produced(const at::Tensor& t) const;  // whether a stage writes t (its first element)
   void run() const;

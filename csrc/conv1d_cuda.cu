@@ -53,6 +53,7 @@
 
 #include "checks.h"
 #include "conv1d.h"
+#include "dependent_launch.h"
 
 namespace dpa {
 
@@ -94,8 +95,8 @@ constexpr int kStats = 64;
 struct StreamArgs {
   const void* x;  // [B, C_in, L_in], any strides (elements)
   int64_t x_sb, x_sc, x_sl;
-  // Channels from x_split on come from x2 (a concatenation read in place; a program's
-  // up-path blocks): x_split = C_in and x2 unused otherwise.
+  // Channels from x_split on come from x2 (a concatenation read in place: the U-Net's up
+  // path, conv1d_gn_mish_shortcut's `skip`): x_split = C_in and x2 unused otherwise.
   const void* x2;
   int64_t x2_sb, x2_sc, x2_sl;
   int x_split;
@@ -130,18 +131,6 @@ struct StreamArgs {
 
 // ---------------------------------------------------------------------------------------
 // Device helpers.
-
-__device__ __forceinline__ void wait_for_producer() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // A traced program's timeline (StreamProgram::run_traced) or traced launches'
 // (start_launch_trace): per stage or launch and block, the global timer (ns) when the block's
@@ -1403,13 +1392,18 @@ __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, co
   if (n >= positions) return;
   const int b = n / cut.length, l = n - b * cut.length;
   const T* __restrict__ x_b = static_cast<const T*>(a.x) + b * a.x_sb;
+  // Channels from x_split on (a concatenation read in place) come from x2.
+  const T* __restrict__ x2_b = static_cast<const T*>(a.x2) + b * a.x2_sb;
   for (int row0 = blockIdx.y; row0 < rows; row0 += kIm2colRowsPerThread * gridDim.y) {
     T v[kIm2colRowsPerThread];
 #pragma unroll
     for (int j = 0; j < kIm2colRowsPerThread; ++j) {
       const int row = row0 + j * gridDim.y;
       const int c = row / cut.taps, pos = l * cut.stride + row - c * cut.taps - cut.pad;
-      v[j] = row < rows && pos >= 0 && pos < a.lin ? x_b[c * a.x_sc + pos * a.x_sl] : static_cast<T>(0.f);
+      const bool second = c >= a.x_split;
+      const T* column = second ? x2_b + (c - a.x_split) * a.x2_sc : x_b + c * a.x_sc;
+      v[j] = row < rows && pos >= 0 && pos < a.lin ? column[pos * (second ? a.x2_sl : a.x_sl)]
+                                                   : static_cast<T>(0.f);
     }
 #pragma unroll
     for (int j = 0; j < kIm2colRowsPerThread; ++j) {
@@ -1482,48 +1476,6 @@ void set_kernel_attributes(void (*kernel)(Params...), int cluster_blocks, size_t
   }
 }
 
-// A launch of kThreads-thread blocks on the current stream, with the attributes it asks for.
-// config.attrs points into the object, so it is not copied.
-class LaunchConfig {
- public:
-  LaunchConfig(dim3 grid, size_t shared_bytes) {
-    config_.gridDim = grid;
-    config_.blockDim = dim3(kThreads);
-    config_.dynamicSmemBytes = shared_bytes;
-    config_.stream = at::cuda::getCurrentCUDAStream();
-    config_.attrs = attributes_;
-  }
-  LaunchConfig(const LaunchConfig&) = delete;
-  LaunchConfig& operator=(const LaunchConfig&) = delete;
-
-  // Clusters of `blocks` blocks (0: not a cluster launch).
-  void clusters(int blocks) {
-    if (blocks == 0) return;
-    cudaLaunchAttribute& attribute = next();
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim = {static_cast<unsigned>(blocks), 1, 1};
-  }
-  void programmatic_dependent() {
-    cudaLaunchAttribute& attribute = next();
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-  }
-  void cooperative() {
-    cudaLaunchAttribute& attribute = next();
-    attribute.id = cudaLaunchAttributeCooperative;
-    attribute.val.cooperative = 1;
-  }
-  const cudaLaunchConfig_t* get() const { return &config_; }
-
- private:
-  cudaLaunchAttribute& next() {
-    TORCH_INTERNAL_ASSERT(config_.numAttrs < std::size(attributes_));
-    return attributes_[config_.numAttrs++];
-  }
-  cudaLaunchConfig_t config_ = {};
-  cudaLaunchAttribute attributes_[2];
-};
-
 // Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
 // idle while it runs.
 int wave_blocks() {
@@ -1566,7 +1518,7 @@ bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_
   auto found = resident.find(key);
   if (found == resident.end()) {
     set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
-    LaunchConfig launch(dim3(cluster_blocks * clusters), shared_bytes);
+    LaunchConfig launch(dim3(cluster_blocks * clusters), dim3(kThreads), shared_bytes);
     launch.clusters(cluster_blocks);
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, launch.get()));
@@ -1692,8 +1644,8 @@ template <typename... Params, typename... Args>
 void launch_streaming(void (*kernel)(Params...), dim3 grid, int cluster_blocks, size_t shared_bytes,
                       Args... args) {
   set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
-  LaunchConfig launch(grid, shared_bytes);
-  if (use_pdl.load() && at::cuda::getCurrentDeviceProperties()->major >= 9) launch.programmatic_dependent();
+  LaunchConfig launch(grid, dim3(kThreads), shared_bytes);
+  launch.programmatic_dependent();
   launch.clusters(cluster_blocks);
   C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, args...));
 }
@@ -1707,15 +1659,10 @@ struct StreamProgram::Impl {
   struct Region {
     uintptr_t lo, hi;
   };
-  struct Concat {
-    const void* placeholder;
-    at::Tensor first, second;
-  };
   std::vector<ProgramStage> stages;
   std::vector<at::Tensor> keep_alive;
   std::vector<Region> readable;  // declared inputs and every stage's output
   std::vector<Region> outputs;
-  std::vector<Concat> concats;
   std::optional<at::TensorOptions> options;  // the first stage's dtype and device
   size_t shared_bytes = 0;
   void (*kernel)(const ProgramStage*, int, int*, int) = nullptr;
@@ -1742,29 +1689,14 @@ struct StreamProgram::Impl {
     const auto v = reinterpret_cast<uintptr_t>(p);
     return std::any_of(regions.begin(), regions.end(), [v](const Region& r) { return v >= r.lo && v < r.hi; });
   }
-  // Points a stage's input at what the program has: a declared tensor, an earlier stage's
-  // output, or the two halves of a declared concatenation.
-  bool resolve_input(StreamArgs& a, bool transposed) {
-    for (const Concat& c : concats) {
-      if (a.x != c.placeholder) continue;
-      if (transposed) {
-        fail("a transposed conv reads a concatenation (not supported in a program)");
-        return false;
-      }
-      a.x = c.first.data_ptr();
-      a.x_sb = c.first.stride(0), a.x_sc = c.first.stride(1), a.x_sl = c.first.stride(2);
-      a.x2 = c.second.data_ptr();
-      a.x2_sb = c.second.stride(0), a.x2_sc = c.second.stride(1), a.x2_sl = c.second.stride(2);
-      a.x_split = static_cast<int>(c.first.size(1));
-      return true;
-    }
-    if (!contains(readable, a.x)) {
-      fail("stage " + std::to_string(stages.size()) +
-           " reads an input that no earlier stage writes and that was not declared (a PyTorch "
-           "op between the fused ones?)");
-      return false;
-    }
-    return true;
+  // Whether a stage's input (both halves of a concatenation read in place) is what the
+  // program has: a declared tensor or an earlier stage's output.
+  bool check_input(const StreamArgs& a) {
+    if (contains(readable, a.x) && (a.x2 == nullptr || contains(readable, a.x2))) return true;
+    fail("stage " + std::to_string(stages.size()) +
+         " reads an input that no earlier stage writes and that was not declared (a PyTorch "
+         "op between the fused ones?)");
+    return false;
   }
   bool check_readable(const void* p, const char* what) {
     if (p == nullptr || contains(readable, p)) return true;
@@ -1782,8 +1714,7 @@ struct StreamProgram::Impl {
   }
   // A launch's worth of work: `a` (and `b`, sharing the grid from x-tile a_tiles on).
   void add_stage(StreamArgs a, const StreamArgs* b, int kind, dim3 grid, size_t launch_shared_bytes,
-                 int a_tiles, bool transposed, const at::Tensor& x,
-                 const std::vector<at::Tensor>& operands) {
+                 int a_tiles, const at::Tensor& x, const std::vector<at::Tensor>& operands) {
     if (!failure.empty()) return;
     if (!options.has_value()) {
       options = x.options();
@@ -1794,7 +1725,7 @@ struct StreamProgram::Impl {
       return fail("a position tile of 32 (batch x length from 17 to 31) has no program kernel");
     }
     StreamArgs second = b ? *b : StreamArgs{};
-    if (!resolve_input(a, transposed) || (b && !resolve_input(second, transposed))) return;
+    if (!check_input(a) || (b && !check_input(second))) return;
     for (const StreamArgs* s : {&a, b ? &second : nullptr}) {
       if (s && !(check_readable(s->residual, "residual") && check_readable(s->film, "FiLM"))) return;
     }
@@ -1871,7 +1802,7 @@ void run_streaming(StreamArgs& a, const ConvProblem& p, const at::Tensor& x,
   });
   if (recording) {
     return recording->add_stage(a, nullptr, launch.program_kind, launch.grid, launch.shared_bytes,
-                                0, p.transposed, x, operands);
+                                0, x, operands);
   }
   a.trace = next_launch_trace(launch.grid);
   if (launch.cluster_blocks > 0) {
@@ -1918,11 +1849,10 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   if (recording) {
     if (paired) {
       return recording->add_stage(a, &b, la.program_kind, grid, shared_bytes,
-                                  static_cast<int>(la.grid.x), false, x, operands);
+                                  static_cast<int>(la.grid.x), x, operands);
     }
-    recording->add_stage(a, nullptr, la.program_kind, la.grid, la.shared_bytes, 0, false, x, operands);
-    return recording->add_stage(b, nullptr, lb.program_kind, lb.grid, lb.shared_bytes, 0, false, x,
-                                operands);
+    recording->add_stage(a, nullptr, la.program_kind, la.grid, la.shared_bytes, 0, x, operands);
+    return recording->add_stage(b, nullptr, lb.program_kind, lb.grid, lb.shared_bytes, 0, x, operands);
   }
   const at::Tensor own_counters =
       counters ? at::Tensor()
@@ -2114,15 +2044,29 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
     int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters) {
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
   const auto [p, ps] = check_conv1d_gn_mish_shortcut_args(
       x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, film,
-      counters);
+      counters, skip);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (p.batch * p.out_length >= gemm_path_min_positions.load() && conv_epilogue_fits(ps)) {
+  const bool gemm_route = p.batch * p.out_length >= gemm_path_min_positions.load();
+  if (gemm_route && !conv_epilogue_fits(ps)) {
+    const std::optional<at::Tensor> none;
+    const at::Tensor input = skip.has_value() ? at::cat({x, *skip}, 1) : x;
+    return {conv1d_gn_mish_cuda(input, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
+            conv1d_cuda(input, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
+  }
+  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
+  ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
+  if (skip.has_value()) {
+    for (StreamArgs* a : {&c.a, &cs.a}) {
+      a->x2 = skip->data_ptr();
+      a->x2_sb = skip->stride(0), a->x2_sc = skip->stride(1), a->x2_sl = skip->stride(2);
+      a->x_split = static_cast<int>(x.size(1));
+    }
+  }
+  if (gemm_route) {
     note_gemm_route("conv1d_gn_mish_shortcut");
-    GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
-    ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
     // The 1x1 shortcut's columns are the GroupNorm conv's centre-tap rows (tap k = pad reads
     // x[b, c, l]): one im2col serves both GEMMs.
     const at::Tensor cols = im2col(c.a, x, false);
@@ -2132,15 +2076,9 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     launch_conv_epilogue(cs, at::mm(cs.weight.reshape({cs.a.m, cs.a.red}), centre).contiguous(), false);
     return {c.out, cs.out};
   }
-  if (p.batch * p.out_length >= gemm_path_min_positions.load()) {
-    const std::optional<at::Tensor> none;
-    return {conv1d_gn_mish_cuda(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
-            conv1d_cuda(x, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
-  }
-  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
-  ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
   std::vector<at::Tensor> operands = c.operands();
   for (const at::Tensor& t : cs.operands()) operands.push_back(t);
+  if (skip.has_value()) operands.push_back(*skip);
   run_streaming_pair(c.a, cs.a, p, ps, x, c.weight, cs.weight, counters_data(counters), operands);
   return {c.out, cs.out};
 }
@@ -2176,22 +2114,6 @@ void StreamProgram::add_input(const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.is_cuda(), "StreamProgram.add_input: the tensor must be on a CUDA device");
   impl_->keep_alive.push_back(t);
   impl_->readable.push_back(Impl::region_of(t));
-}
-
-void StreamProgram::concat(const at::Tensor& placeholder, const at::Tensor& first,
-                           const at::Tensor& second) {
-  TORCH_CHECK_VALUE(placeholder.dim() == 3 && first.dim() == 3 && second.dim() == 3 &&
-                        placeholder.is_contiguous() && placeholder.size(0) == first.size(0) &&
-                        placeholder.size(0) == second.size(0) &&
-                        placeholder.size(1) == first.size(1) + second.size(1) &&
-                        placeholder.size(2) == first.size(2) && placeholder.size(2) == second.size(2),
-                    "StreamProgram.concat: placeholder must be a contiguous [B, C1 + C2, L] for "
-                    "first [B, C1, L] and second [B, C2, L]");
-  if (!Impl::contains(impl_->readable, first.data_ptr()) || !Impl::contains(impl_->readable, second.data_ptr())) {
-    impl_->fail("a concatenation of tensors the program does not produce");
-  }
-  impl_->keep_alive.insert(impl_->keep_alive.end(), {placeholder, first, second});
-  impl_->concats.push_back({placeholder.data_ptr(), first, second});
 }
 
 void StreamProgram::end() {
@@ -2266,7 +2188,7 @@ void StreamProgram::Impl::launch(const at::Tensor& stages_on_device, const char*
   TORCH_CHECK(failure.empty(), "StreamProgram.", method, ": the recording failed: ", failure);
   const Impl& p = *this;
   const c10::cuda::CUDAGuard guard(p.options->device());
-  LaunchConfig launch(dim3(p.grid), p.shared_bytes);
+  LaunchConfig launch(dim3(p.grid), dim3(kThreads), p.shared_bytes);
   launch.cooperative();
   C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), p.kernel,
                                     reinterpret_cast<const ProgramStage*>(stages_on_device.data_ptr()),

@@ -15,7 +15,9 @@ DenoiseConfig check_denoise_step_args(const at::Tensor& model_output, const at::
                                       const at::Tensor& table, int64_t step, int64_t scheduler,
                                       int64_t prediction_type,
                                       std::optional<double> clip_sample_range,
-                                      bool use_clipped_model_output) {
+                                      bool use_clipped_model_output,
+                                      const std::optional<at::Tensor>& condition_data,
+                                      const std::optional<at::Tensor>& condition_mask) {
   check_float_tensor(sample, kOp, "sample");
   TORCH_CHECK_VALUE(sample.numel() > 0, kOp, ": sample must be non-empty, got shape ",
                     sample.sizes());
@@ -29,6 +31,20 @@ DenoiseConfig check_denoise_step_args(const at::Tensor& model_output, const at::
     check_same_dtype(*noise, sample, kOp, "noise", "sample");
     TORCH_CHECK_VALUE(noise->sizes() == sample.sizes(), kOp, ": noise has shape ",
                       noise->sizes(), " but sample has shape ", sample.sizes());
+  }
+  TORCH_CHECK_VALUE(condition_data.has_value() == condition_mask.has_value(), kOp,
+                    ": condition_data and condition_mask must be given together");
+  if (condition_data.has_value()) {
+    check_same_device(*condition_data, sample, kOp, "condition_data", "sample");
+    check_same_dtype(*condition_data, sample, kOp, "condition_data", "sample");
+    check_same_device(*condition_mask, sample, kOp, "condition_mask", "sample");
+    TORCH_CHECK_TYPE(condition_mask->scalar_type() == at::kBool, kOp,
+                     ": condition_mask must be bool, got ", condition_mask->scalar_type());
+    TORCH_CHECK_VALUE(condition_data->sizes() == sample.sizes() &&
+                          condition_mask->sizes() == sample.sizes(),
+                      kOp, ": condition_data and condition_mask must have sample's shape ",
+                      sample.sizes(), ", got ", condition_data->sizes(), " and ",
+                      condition_mask->sizes());
   }
   check_same_device(table, sample, kOp, "table", "sample");
   TORCH_CHECK_TYPE(table.scalar_type() == at::kFloat, kOp, ": table must be float32, got ",
@@ -61,12 +77,16 @@ at::Tensor denoise_step_cpu(const at::Tensor& model_output, const at::Tensor& sa
                             const std::optional<at::Tensor>& noise, const at::Tensor& table,
                             int64_t step, int64_t scheduler, int64_t prediction_type,
                             std::optional<double> clip_sample_range,
-                            bool use_clipped_model_output) {
+                            bool use_clipped_model_output,
+                            const std::optional<at::Tensor>& condition_data,
+                            const std::optional<at::Tensor>& condition_mask) {
   const DenoiseConfig cfg =
       check_denoise_step_args(model_output, sample, noise, table, step, scheduler,
-                              prediction_type, clip_sample_range, use_clipped_model_output);
+                              prediction_type, clip_sample_range, use_clipped_model_output,
+                              condition_data, condition_mask);
   const at::Tensor m = model_output.contiguous(), s = sample.contiguous();
   const auto n = contiguous_or_none(noise);
+  const auto known = contiguous_or_none(condition_data), mask = contiguous_or_none(condition_mask);
   const at::Tensor row = table.select(0, step).contiguous();
   at::Tensor out = at::empty(s.sizes(), s.options());
   const float* c = row.data_ptr<float>();
@@ -74,12 +94,16 @@ at::Tensor denoise_step_cpu(const at::Tensor& model_output, const at::Tensor& sa
     const scalar_t* m_data = m.data_ptr<scalar_t>();
     const scalar_t* s_data = s.data_ptr<scalar_t>();
     const scalar_t* n_data = n.has_value() ? n->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* known_data = known.has_value() ? known->data_ptr<scalar_t>() : nullptr;
+    const bool* mask_data = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
     scalar_t* out_data = out.data_ptr<scalar_t>();
     at::parallel_for(0, s.numel(), 2048, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        out_data[i] = denoise_element<scalar_t>(
-            static_cast<float>(m_data[i]), static_cast<float>(s_data[i]),
-            n_data ? static_cast<float>(n_data[i]) : 0.f, c, cfg);
+        out_data[i] = mask_data && mask_data[i]
+                          ? known_data[i]
+                          : denoise_element<scalar_t>(
+                                static_cast<float>(m_data[i]), static_cast<float>(s_data[i]),
+                                n_data ? static_cast<float>(n_data[i]) : 0.f, c, cfg);
       }
     });
   });

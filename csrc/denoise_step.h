@@ -98,11 +98,17 @@ C10_HOST_DEVICE scalar_t denoise_element(float m, float s, float noise, const fl
 }
 
 // Validates every argument (raising a Python exception naming it); returns the config.
+// condition_data and condition_mask (bool), given together and shaped like sample, make the
+// op return where(condition_mask, condition_data, prev_sample): Diffusion Policy's inpainting
+// of the known part of the trajectory, which every next step (and the loop's end) applies
+// to this step's result anyway.
 DenoiseConfig check_denoise_step_args(const at::Tensor& model_output, const at::Tensor& sample,
                                       const std::optional<at::Tensor>& noise,
                                       const at::Tensor& table, int64_t step, int64_t scheduler,
                                       int64_t prediction_type,
                                       std::optional<double> clip_sample_range,
-                                      bool use_clipped_model_output);
+                                      bool use_clipped_model_output,
+                                      const std::optional<at::Tensor>& condition_data,
+                                      const std::optional<at::Tensor>& condition_mask);
 
 }  // namespace dpa

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include "conv1d.h"
+#include "dependent_launch.h"
 
 TORCH_LIBRARY(dpa, m) {
   m.def(
@@ -26,12 +27,14 @@ TORCH_LIBRARY(dpa, m) {
   m.def(
       "conv1d_gn_mish_shortcut(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
       "Tensor? gn_bias, int num_groups, float eps, Tensor shortcut_weight, "
-      "Tensor? shortcut_bias, *, Tensor? film=None, Tensor? counters=None) -> (Tensor, Tensor)",
+      "Tensor? shortcut_bias, *, Tensor? film=None, Tensor? counters=None, Tensor? skip=None) "
+      "-> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "denoise_step(Tensor model_output, Tensor sample, Tensor? noise, Tensor table, int step, "
       "int scheduler, int prediction_type, float? clip_sample_range, "
-      "bool use_clipped_model_output) -> Tensor",
+      "bool use_clipped_model_output, *, Tensor? condition_data=None, "
+      "Tensor? condition_mask=None) -> Tensor",
       {at::Tag::pt2_compliant_tag});
 }
 
@@ -49,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return dpa::gemm_path_min_positions.exchange(n);
   }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
   m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
-        "Switches programmatic dependent launch of the streaming conv kernels; returns the old setting.");
+        "Switches programmatic dependent launch of the streaming conv kernels and the denoise step; returns the old setting.");
   m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
         "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
   m.def("set_cluster_groupnorm", [](bool enabled) { return dpa::cluster_groupnorm.exchange(enabled); },
@@ -71,7 +74,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<>())
       .def("begin", &dpa::StreamProgram::begin)
       .def("add_input", &dpa::StreamProgram::add_input)
-      .def("concat", &dpa::StreamProgram::concat)
       .def("end", &dpa::StreamProgram::end)
       .def("produced", &dpa::StreamProgram::produced)
       .def("run", &dpa::StreamProgram::run)

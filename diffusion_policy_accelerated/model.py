@@ -15,7 +15,6 @@ comparison).
 """
 import contextlib
 import math
-import threading
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -109,31 +108,15 @@ def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
     return out if residual is None else out + residual
 
 
-# .program: the dpa StreamProgram being recorded on this thread (see `recording_program`).
-_RECORDING = threading.local()
-
-
 @contextlib.contextmanager
 def recording_program(program) -> Iterator[None]:
     """Within this context the fused ops on this thread add stages to `program` (an
-    extension `StreamProgram`) instead of launching, and the U-Net's skip concatenations
-    become placeholders that the next stage reads in place (a program runs no PyTorch op)."""
+    extension `StreamProgram`) instead of launching."""
     program.begin()
-    _RECORDING.program = program
     try:
         yield
     finally:
-        _RECORDING.program = None
         program.end()
-
-
-def _concat(x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-    program = getattr(_RECORDING, "program", None)
-    if program is None:
-        return torch.cat((x, skip), dim=1)
-    placeholder = x.new_empty(x.shape[0], x.shape[1] + skip.shape[1], x.shape[2])
-    program.concat(placeholder, x, skip)
-    return placeholder
 
 
 def _register_counters(module: nn.Module, channels: int) -> None:
@@ -235,28 +218,33 @@ class Conv1dBlock(nn.Module):
                         film, residual)
 
     def _can_fuse_shortcut(self, x: torch.Tensor, film: Optional[torch.Tensor],
-                           shortcut: nn.Module) -> bool:
+                           shortcut: nn.Module, skip: Optional[torch.Tensor]) -> bool:
         """Whether dpa::conv1d_gn_mish_shortcut computes this block and `shortcut` exactly."""
         if not (isinstance(shortcut, nn.Conv1d) and _conv_fusable(shortcut)
                 and shortcut.kernel_size == (1,) and shortcut.stride == (1,) and shortcut.padding == (0,)
                 and shortcut.out_channels == self.block[0].out_channels):
             return False
-        return self._can_fuse(x, film, None) and _fusable(self.use_fused_ops, x, shortcut.weight, shortcut.bias)
+        return self._can_fuse(x, film, None) and _fusable(self.use_fused_ops, x, shortcut.weight,
+                                                          shortcut.bias, skip)
 
     def forward(self, x: torch.Tensor, film: Optional[torch.Tensor] = None,
-                residual: Optional[torch.Tensor] = None, shortcut: Optional[nn.Module] = None
+                residual: Optional[torch.Tensor] = None, shortcut: Optional[nn.Module] = None,
+                skip: Optional[torch.Tensor] = None
                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """x: [B, C_in, T] -> Mish(GroupNorm(Conv1d(x))), then FiLM with `film` ([B, 2 C_out]:
         scale, bias; or [B, C_out]: bias) and `+ residual` ([B, C_out, T]) when given.
 
         With `shortcut` (the residual block's 1x1 conv of the same x) returns (that output,
-        shortcut(x)), from one dpa::conv1d_gn_mish_shortcut where it applies."""
+        shortcut(x)), from one dpa::conv1d_gn_mish_shortcut where it applies. With `skip`
+        ([B, C2, T]) the input is torch.cat((x, skip), dim=1), which that op reads in place."""
+        if shortcut is not None and residual is None and self._can_fuse_shortcut(x, film, shortcut, skip):
+            conv, norm = self.block[0], self.block[1]
+            return _ops().conv1d_gn_mish_shortcut(
+                x, conv.weight, conv.bias, norm.weight, norm.bias, norm.num_groups, norm.eps,
+                shortcut.weight, shortcut.bias, film=film, counters=_counters_for(self, x), skip=skip)
+        if skip is not None:
+            x = torch.cat((x, skip), dim=1)
         if shortcut is not None:
-            if residual is None and self._can_fuse_shortcut(x, film, shortcut):
-                conv, norm = self.block[0], self.block[1]
-                return _ops().conv1d_gn_mish_shortcut(
-                    x, conv.weight, conv.bias, norm.weight, norm.bias, norm.num_groups, norm.eps,
-                    shortcut.weight, shortcut.bias, film=film, counters=_counters_for(self, x))
             return self._block(x, film, residual), _run_conv(self, shortcut, x)
         return self._block(x, film, residual)
 
@@ -298,19 +286,23 @@ class ConditionalResidualBlock1D(nn.Module):
         _register_counters(self, out_channels)
 
     def forward(self, x: torch.Tensor, cond: Optional[torch.Tensor],
-                film: Optional[torch.Tensor] = None) -> torch.Tensor:
+                film: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [B, in_channels, T], cond: [B, cond_dim] -> [B, out_channels, T]. `film`, if
         given, is `cond_encoder(cond)` computed elsewhere ([B, cond_channels, 1] or
         [B, cond_channels]); the sampler precomputes it, since it depends only on the
-        timestep and the observation."""
+        timestep and the observation. With `skip` the block's input is
+        torch.cat((x, skip), dim=1) (the U-Net's up path), read in place where the fused
+        ops apply."""
         embed = self.cond_encoder(cond) if film is None else film
         # [B, 2C]: scale first, then bias (the channel layout of Diffusion Policy's
         # checkpoints); [B, C]: a bias. The first block applies it to its output.
         film = embed.reshape(embed.shape[0], -1)
         if isinstance(self.residual_conv, nn.Identity):
+            if skip is not None:
+                x = torch.cat((x, skip), dim=1)
             out, residual = self.blocks[0](x, film=film), x
         else:
-            out, residual = self.blocks[0](x, film=film, shortcut=self.residual_conv)
+            out, residual = self.blocks[0](x, film=film, shortcut=self.residual_conv, skip=skip)
         return self.blocks[1](out, residual=residual)
 
 
@@ -474,9 +466,9 @@ class ConditionalUnet1D(nn.Module):
             if global_cond is not None:
                 global_feature = torch.cat([global_feature, global_cond], dim=-1)
 
-        def block(module, x):
+        def block(module, x, skip=None):
             film = None if film_embeddings is None else film_embeddings[module]
-            return module(x, global_feature, film)
+            return module(x, global_feature, film, skip=skip)
 
         h_local = []
         if local_cond is not None:
@@ -499,8 +491,7 @@ class ConditionalUnet1D(nn.Module):
             x = block(mid_module, x)
 
         for idx, (resnet, resnet2, upsample) in enumerate(self.up_modules):
-            x = _concat(x, h.pop())
-            x = block(resnet, x)
+            x = block(resnet, x, skip=h.pop())
             # Never true (idx stops at len - 1), so h_local[1] is computed but unused.
             # Diffusion Policy keeps this condition on purpose: its published checkpoints
             # were trained with it, and "fixing" it would change their outputs.
@@ -521,9 +512,11 @@ def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -
     device = next(unet.parameters()).device
     calls = []
     # A block given a shortcut returns (its output, the shortcut's).
-    hooks = [block.register_forward_hook(lambda m, args, out: calls.append(
-        (args[0].shape[0], args[0].shape[1], m.block[0].out_channels, args[0].shape[2],
-         m.block[0].kernel_size[0], m.block[1].num_groups)))
+    # The up path's blocks get their skip connection as a keyword (see Conv1dBlock.forward).
+    hooks = [block.register_forward_hook(lambda m, args, kwargs, out: calls.append(
+        (args[0].shape[0], args[0].shape[1] + (kwargs["skip"].shape[1] if kwargs.get("skip") is not None else 0),
+         m.block[0].out_channels, args[0].shape[2], m.block[0].kernel_size[0], m.block[1].num_groups)),
+        with_kwargs=True)
         for block in unet.modules() if isinstance(block, Conv1dBlock)]
     input_dim = unet.final_conv[1].out_channels
     global_dim = unet.mid_modules[0].cond_encoder[1].in_features - unet.diffusion_step_encoder[1].in_features

@@ -33,9 +33,10 @@ def set_gemm_path_min_positions(positions: int) -> int:
 
 
 def set_pdl(enabled: bool) -> bool:
-    """Programmatic dependent launch of the streaming conv kernels (Hopper and newer): each
-    starts loading its weights while the previous kernel finishes. On by default; returns the
-    previous setting. Process-wide; meant for measuring what it buys."""
+    """Programmatic dependent launch of the streaming conv kernels and the denoise step
+    (Hopper and newer): each launches while the previous kernel finishes, and a conv starts
+    loading its weights. On by default; returns the previous setting. Process-wide; meant for
+    measuring what it buys."""
     return bool(_C.set_pdl(bool(enabled)))
 
 
@@ -101,7 +102,8 @@ def conv1d_gn_mish_shortcut(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
                             num_groups: int, eps: float, shortcut_weight: torch.Tensor,
                             shortcut_bias: Optional[torch.Tensor] = None, *,
                             film: Optional[torch.Tensor] = None,
-                            counters: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                            counters: Optional[torch.Tensor] = None,
+                            skip: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """`(conv1d_gn_mish(x, weight, ..., film=film), conv1d(x, shortcut_weight, shortcut_bias))`
     in one op: the first Conv1dBlock of a residual block whose channel count changes and the
     block's 1x1 shortcut conv, which read the same x. On the CUDA streaming path (batch x
@@ -109,11 +111,13 @@ def conv1d_gn_mish_shortcut(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
     round trip and finishing pass.
 
     shortcut_weight: [C_s, C_in, 1]; shortcut_bias: [C_s] or None. `counters` (CUDA;
-    optional): int32 zeros, at least C_out + C_s of them (see `conv1d`).
+    optional): int32 zeros, at least C_out + C_s of them (see `conv1d`). `skip` ([B, C2, L],
+    any strides): the input is `torch.cat((x, skip), dim=1)` (C_in = x's channels + C2),
+    read in place, as the U-Net's up path concatenates its skip connections.
     """
     return torch.ops.dpa.conv1d_gn_mish_shortcut(x, weight, bias, gn_weight, gn_bias, int(num_groups),
                                                  float(eps), shortcut_weight, shortcut_bias, film=film,
-                                                 counters=counters)
+                                                 counters=counters, skip=skip)
 
 
 def _enum(value, table, what):
@@ -127,20 +131,26 @@ def _enum(value, table, what):
 def denoise_step(model_output: torch.Tensor, sample: torch.Tensor, noise: Optional[torch.Tensor],
                  table: torch.Tensor, step: int, *, scheduler: str, prediction_type: str = "epsilon",
                  clip_sample_range: Optional[float] = None,
-                 use_clipped_model_output: bool = False) -> torch.Tensor:
+                 use_clipped_model_output: bool = False,
+                 condition_data: Optional[torch.Tensor] = None,
+                 condition_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One DDPM/DDIM update `x_t -> x_{t-1}` with the per-step constants in row `step` of `table`.
 
     `table` ([num_steps, 8] float32, on the sample's device) comes from
     `diffusion_policy_accelerated.schedulers`; the step index is a plain int so a CUDA
     graph can bake one launch per step. `noise` (same shape/dtype as `sample`) is used
-    only where the row says noise is added; None means no noise term.
+    only where the row says noise is added; None means no noise term. With
+    `condition_data` and `condition_mask` (bool), both shaped like `sample`, returns
+    `torch.where(condition_mask, condition_data, x_{t-1})`: Diffusion Policy's inpainting,
+    done in the same pass. `model_output` may be strided (the U-Net's transposed output).
     """
     return torch.ops.dpa.denoise_step(
         model_output, sample, noise, table, int(step),
         _enum(scheduler, SCHEDULER_KINDS, "scheduler"),
         _enum(prediction_type, PREDICTION_TYPES, "prediction_type"),
         None if clip_sample_range is None else float(clip_sample_range),
-        bool(use_clipped_model_output))
+        bool(use_clipped_model_output), condition_data=condition_data,
+        condition_mask=condition_mask)
 
 
 @torch.library.register_fake("dpa::conv1d_gn_mish")
@@ -165,7 +175,12 @@ def _conv1d_fake(x, weight, bias, stride, padding, transposed, *, residual=None,
 
 @torch.library.register_fake("dpa::conv1d_gn_mish_shortcut")
 def _conv1d_gn_mish_shortcut_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight,
-                                  shortcut_bias, *, film=None, counters=None):
+                                  shortcut_bias, *, film=None, counters=None, skip=None):
+    if skip is not None:
+        torch._check(skip.dim() == 3 and x.dim() == 3,
+                     lambda: "conv1d_gn_mish_shortcut: x and skip must be [B, C, L]")
+        torch._check(skip.shape[0] == x.shape[0] and skip.shape[2] == x.shape[2],
+                     lambda: "conv1d_gn_mish_shortcut: skip must match x's batch and length")
     out = _conv1d_gn_mish_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film)
     torch._check(shortcut_weight.dim() == 3,
                  lambda: "conv1d_gn_mish_shortcut: shortcut_weight must be [C_s, C_in, 1]")
@@ -174,7 +189,8 @@ def _conv1d_gn_mish_shortcut_fake(x, weight, bias, gn_weight, gn_bias, num_group
 
 @torch.library.register_fake("dpa::denoise_step")
 def _denoise_step_fake(model_output, sample, noise, table, step, scheduler, prediction_type,
-                       clip_sample_range, use_clipped_model_output):
+                       clip_sample_range, use_clipped_model_output, *, condition_data=None,
+                       condition_mask=None):
     torch._check(model_output.shape == sample.shape,
                  lambda: "denoise_step: model_output and sample must have the same shape")
     return torch.empty_like(sample, memory_format=torch.contiguous_format)

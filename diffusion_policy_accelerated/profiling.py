@@ -252,6 +252,14 @@ def _denoise_step(c: OpInputs) -> Cost:
                              noise=c.given(2))
 
 
+def _conv1d_gn_mish_shortcut(c: OpInputs) -> Cost:
+    x, skip = c.tensor(0), c.tensor(11)
+    if skip is not None:  # the input is cat((x, skip), dim=1), read in place
+        x = (x[0], x[1] + skip[1], x[2])
+    return conv1d_gn_mish_shortcut_cost(x, c.tensor(1), c.tensor(7), c.dtype, bias=c.given(2),
+                                        affine=c.given(3), shortcut_bias=c.given(8), film=c.tensor(9))
+
+
 def _elementwise(c: OpInputs) -> Cost:
     return elementwise_cost(c.tensors(), c.dtype)
 
@@ -282,9 +290,7 @@ OP_COSTS: Dict[str, Callable[[OpInputs], Cost]] = {
     "dpa::conv1d": lambda c: fused_conv1d_cost(
         c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), stride=c.scalar(3),
         padding=c.scalar(4), transposed=c.scalar(5), residual=c.tensor(6) is not None),
-    "dpa::conv1d_gn_mish_shortcut": lambda c: conv1d_gn_mish_shortcut_cost(
-        c.tensor(0), c.tensor(1), c.tensor(7), c.dtype, bias=c.given(2), affine=c.given(3),
-        shortcut_bias=c.given(8), film=c.tensor(9)),
+    "dpa::conv1d_gn_mish_shortcut": _conv1d_gn_mish_shortcut,
     "dpa::denoise_step": _denoise_step,
 }
 

@@ -8,8 +8,9 @@ launch for the whole action chunk.
 
 Step-invariant work is hoisted out of the loop: the timestep MLP and the timestep half of
 every FiLM encoder are tabulated per schedule (they depend only on t), and the observation
-half of every FiLM encoder is one GEMM per call; each step adds the two halves for all the
-residual blocks at once and hands each block a slice.
+half of every FiLM encoder is one GEMM per call; the two halves are added for all the
+residual blocks and many steps at once, and each block gets a slice. The inpainting of the
+known part of the trajectory is done by the denoise step itself.
 
 Experimental (`single_kernel_unet`): on CUDA, at the small batches where the convs stream
 their weights (batch x horizon < 32), the U-Net forward can run as one persistent kernel
@@ -26,12 +27,17 @@ the same numbers. Pass `noise` ([steps + 1, *shape]: the initial trajectory, the
 variance noise at index i + 1) to reproduce a run exactly.
 """
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 from .model import ConditionalUnet1D, recording_program
 from .schedulers import DenoiseSchedule
+
+
+# Memory for the FiLM inputs of several steps, formed together (GraphedSampler._step_films):
+# every step of a 100-step loop up to batch 2 (image U-Net, fp32) or 5 (lowdim).
+_FILM_ROWS_BYTES = 32 << 20
 
 
 class GraphedSampler:
@@ -155,31 +161,44 @@ class GraphedSampler:
 
     def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise,
               program: Optional["_UNetProgram"] = None):
-        """The hoisted denoising loop; run eagerly, or once under capture."""
+        """The hoisted denoising loop; run eagerly, or once under capture. Per step on the
+        default path: the U-Net's launches and one denoise step, which also inpaints its
+        result (for the next step, and after the last for the return), so no PyTorch kernel
+        sits between two steps' convs."""
         film_observation = None
         if global_cond is not None:
             film_observation = torch.nn.functional.mish(global_cond) @ self._film_weight.t()
         if program is not None and local_cond is not None:
             program.local_cond.copy_(local_cond)
-        trajectory = noise[0]
-        for i in range(self.num_steps):
+        step_films = self._step_films(film_observation, condition_data.shape[0])
+        trajectory = torch.where(condition_mask, condition_data, noise[0])
+        for i, step_film in enumerate(step_films):
             if program is not None:
-                # Straight into the program's inputs: no copy per step.
-                trajectory = torch.where(condition_mask, condition_data, trajectory, out=program.sample)
-                if film_observation is not None:
-                    torch.add(self._film_table[i], film_observation, out=program.film)
-                else:
-                    program.film.copy_(self._film_table[i].expand_as(program.film))
+                # The program reads its inputs from static tensors.
+                program.sample.copy_(trajectory)
+                program.film.copy_(step_film)
                 model_output = program.run()
             else:
-                trajectory = torch.where(condition_mask, condition_data, trajectory)
-                step_film = (self._film_table[i] + film_observation if film_observation is not None
-                             else self._film_table[i].expand(trajectory.shape[0], -1))
                 films = {m: step_film[:, lo:hi] for m, (lo, hi) in self._film_columns.items()}
                 model_output = self.unet(trajectory, None, local_cond=local_cond, film_embeddings=films)
             step_noise = noise[i + 1] if self.schedule.needs_noise(i) else None
-            trajectory = self.schedule.step(model_output, i, trajectory, step_noise)
-        return torch.where(condition_mask, condition_data, trajectory)
+            trajectory = self.schedule.step(model_output, i, trajectory, step_noise,
+                                            condition_data=condition_data, condition_mask=condition_mask)
+        return trajectory
+
+    def _step_films(self, film_observation: Optional[torch.Tensor], batch: int) -> Iterator[torch.Tensor]:
+        """Each step's FiLM inputs of all blocks, [batch, all widths]: the step's row of the
+        timestep table plus this call's observation part. The sums are formed for as many
+        steps at once as fit in _FILM_ROWS_BYTES (all of them at small batches), in one
+        launch per such chunk, outside the chain of the steps' kernels."""
+        if film_observation is None:
+            for i in range(self.num_steps):
+                yield self._film_table[i].expand(batch, -1)
+            return
+        step_bytes = film_observation.numel() * film_observation.element_size()
+        chunk = max(1, min(self.num_steps, _FILM_ROWS_BYTES // step_bytes))
+        for first in range(0, self.num_steps, chunk):
+            yield from (self._film_table[first:first + chunk, None, :] + film_observation).unbind(0)
 
     def _check_inputs(self, condition_data, condition_mask, local_cond, global_cond, noise):
         if condition_data.dim() != 3:

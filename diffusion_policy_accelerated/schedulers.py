@@ -337,16 +337,21 @@ class DenoiseSchedule:
                              f"a standard normal tensor shaped like sample")
 
     def step(self, model_output: torch.Tensor, i: int, sample: torch.Tensor,
-             noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+             noise: Optional[torch.Tensor] = None, *,
+             condition_data: Optional[torch.Tensor] = None,
+             condition_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Step `i` (`x_t -> x_{t-1}`, t = timesteps[i]) with the fused op; `noise` is diffusers'
-        variance noise and is required where `needs_noise(i)`."""
+        variance noise and is required where `needs_noise(i)`. With `condition_data` and
+        `condition_mask`, the result's masked elements are `condition_data`'s (inpainting,
+        in the same pass)."""
         self._check_noise(i, noise)
         from . import ops  # loads the compiled extension on first use
 
         return ops.denoise_step(model_output, sample, noise, self.table, i, scheduler=self.kind,
                                 prediction_type=self.prediction_type,
                                 clip_sample_range=self.clip_sample_range,
-                                use_clipped_model_output=self.use_clipped_model_output)
+                                use_clipped_model_output=self.use_clipped_model_output,
+                                condition_data=condition_data, condition_mask=condition_mask)
 
     def reference_step(self, model_output: torch.Tensor, i: int, sample: torch.Tensor,
                        noise: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -10,6 +10,11 @@
 # the library copied to e.g. build/old_C.so and carried): then nothing is built, the two
 # libraries take turns, and the working tree's own must be in place (gpu_check.sh's carried
 # build or its editable install), which saves about two minutes of device time per build.
+# OLD may also be a folder holding that version's whole `diffusion_policy_accelerated` package
+# (its Python and its built library), for a change in the Python and the ops' schemas as well:
+#   mkdir -p build/old_tree && git archive OLD_COMMIT diffusion_policy_accelerated | tar -x -C build/old_tree
+#   cp that version's build_for_device.sh library into build/old_tree/diffusion_policy_accelerated/
+# (carried); the old runs then import it first (PYTHONPATH), the new ones the working tree's.
 # COMMAND runs from the repository root after each build, e.g.
 #   scripts/ab_builds.sh old_src/csrc python3 scripts/benchmark.py --ours-only --batch 1 --schedule DDPM-100
 # The working tree's csrc/ (or library) is restored at the end, however the script ends.
@@ -29,6 +34,19 @@ if [[ -f $old && $old == *.so ]]; then
     if [[ $version == new ]]; then cp "$saved/new.so" "$library"; else cp "$old" "$library"; fi
     echo "== $version: library $(cmp -s "$library" "$saved/new.so" && echo "of the working tree" || echo "$old")"
     "$@" || status=1
+  done
+  exit $status
+fi
+if [[ -d $old/diffusion_policy_accelerated ]]; then
+  old_path=$(cd "$old" && pwd)
+  for version in new old new; do
+    if [[ $version == new ]]; then
+      echo "== new: the working tree's package"
+      "$@" || status=1
+    else
+      echo "== old: the package in $old"
+      PYTHONPATH=$old_path${PYTHONPATH:+:$PYTHONPATH} "$@" || status=1
+    fi
   done
   exit $status
 fi

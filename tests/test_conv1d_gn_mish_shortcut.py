@@ -37,16 +37,24 @@ def make_shortcut(shape, dtype, device, generator, channels=None):
     return weight, (torch.randn(channels, generator=generator) * 0.1).to(device, dtype)
 
 
+def split_input(x, skip_from):
+    """(x's first skip_from channels, the rest as `skip`), `skip` with other strides than x:
+    the op must read cat((x, skip), dim=1) wherever the two halves live."""
+    skip = x[:, skip_from:].transpose(1, 2).contiguous().transpose(1, 2)
+    return x[:, :skip_from], skip
+
+
 def check(shape, dtype, device, film_layout="scale+bias", shortcut_channels=None, counters=None,
-          shortcut=None, seed=0):
+          shortcut=None, seed=0, skip_from=None):
     g = torch.Generator().manual_seed(seed)
     x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
     ws, bs = make_shortcut(shape, dtype, device, g, shortcut_channels) if shortcut is None else shortcut
     film, _ = film_and_residual(shape, dtype, device, g, film_layout)
     batch, _, cout, length, _, groups = shape
+    first, skip = (x, None) if skip_from is None else split_input(x, skip_from)
     poison_allocator(device, batch * max(cout, ws.shape[0]) * length, dtype)
-    out, short = ops.conv1d_gn_mish_shortcut(x, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film,
-                                             counters=counters)
+    out, short = ops.conv1d_gn_mish_shortcut(first, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film,
+                                             counters=counters, skip=skip)
     assert out.shape == (batch, cout, length) and short.shape == (batch, ws.shape[0], length)
     assert out.dtype == short.dtype == dtype and out.device == short.device == x.device
     assert not out.isnan().any() and not short.isnan().any(), "unwritten (poisoned) or NaN outputs"
@@ -60,6 +68,21 @@ def check(shape, dtype, device, film_layout="scale+bias", shortcut_channels=None
 @pytest.mark.parametrize("shape", UNET_SHAPES + OTHER_SHAPES, ids=str)
 def test_matches_float64_reference(shape, dtype, device):
     check(shape, dtype, device)
+
+
+# The up path's blocks (input: the level's output, then the skip connection of as many
+# channels), then odd splits.
+SKIP_CASES = [((1, 2048, 512, 4, 5, 8), 1024), ((1, 1024, 256, 8, 5, 8), 512),
+              ((1, 4096, 1024, 4, 5, 8), 2048), ((1, 2048, 512, 8, 5, 8), 1024),
+              ((3, 256, 512, 8, 5, 8), 128), ((3, 7, 6, 3, 3, 3), 3), ((2, 5, 64, 9, 5, 16), 1),
+              ((1, 33, 40, 5, 7, 5), 32)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,skip_from", SKIP_CASES, ids=str)
+def test_skip_is_read_as_the_concatenation(shape, skip_from, dtype, device):
+    check(shape, dtype, device, skip_from=skip_from)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,6 +127,7 @@ def test_both_cuda_routes(route, threshold, dtype):
                       (5, 33, 40, 7, 7, 5), (2, 9, 24, 1, 1, 24)]:
             for channels in (None, 3):
                 check(shape, dtype, "cuda", shortcut_channels=channels)
+            check(shape, dtype, "cuda", skip_from=shape[1] // 2)
     finally:
         ops.set_gemm_path_min_positions(default)
 
@@ -119,6 +143,9 @@ def test_opcheck(device):
                               (x, w, b, gamma, beta, shape[5], 1e-5, ws, bs), dict(film=film))
     torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish_shortcut.default,
                           (x, w, None, None, None, shape[5], 1e-5, ws, None))
+    first, skip = split_input(x, 2)
+    torch.library.opcheck(torch.ops.dpa.conv1d_gn_mish_shortcut.default,
+                          (first, w, b, gamma, beta, shape[5], 1e-5, ws, bs), dict(film=film, skip=skip))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,6 +184,12 @@ BAD_INPUTS = [
     (dict(film=torch.randn(2, 7)), ValueError, "film must be [2, 8] (a bias) or [2, 16]"),
     (dict(counters=torch.zeros(15, dtype=torch.int32)), ValueError, "at least out_channels (16)"),
     (dict(counters=torch.zeros(16)), TypeError, "counters must be int32"),
+    (dict(skip=torch.randn(2, 3, 6)), ValueError, "weight has in_channels 4 but x has 7 channels (with skip's)"),
+    (dict(skip=torch.randn(3, 3, 6)), ValueError, "skip must be [2, skip_channels >= 1, 6]"),
+    (dict(skip=torch.randn(2, 3, 5)), ValueError, "skip must be [2, skip_channels >= 1, 6]"),
+    (dict(skip=torch.randn(2, 0, 6)), ValueError, "skip must be [2, skip_channels >= 1, 6]"),
+    (dict(skip=torch.randn(2, 3)), ValueError, "skip must be 3-D"),
+    (dict(skip=torch.randn(2, 3, 6, dtype=torch.float16)), TypeError, "skip has dtype"),
 ]
 
 
@@ -167,8 +200,10 @@ def test_bad_input_raises(change, error, text, device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["x", "weight", "shortcut_weight", "shortcut_bias", "film", "counters"])
+@pytest.mark.parametrize("name", ["x", "weight", "shortcut_weight", "shortcut_bias", "film", "counters", "skip"])
 def test_mixed_devices_raise(name):
     args = good_args("cuda")
+    if name == "skip":
+        args.update(x=args["x"][:, :2], skip=args["x"][:, 2:])
     args.update(film=torch.randn(2, 16, device="cuda"), counters=torch.zeros(16, dtype=torch.int32, device="cuda"))
     check_mixed_devices(ops.conv1d_gn_mish_shortcut, args, name)

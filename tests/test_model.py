@@ -207,6 +207,7 @@ class FakeOps:
         self.calls = 0
         self.conv_calls = 0
         self.shortcut_calls = 0
+        self.skips = 0  # shortcut calls given a skip connection to read in place
 
     def built_with_cuda(self):
         return False
@@ -227,8 +228,10 @@ class FakeOps:
         return y if residual is None else y + residual
 
     def conv1d_gn_mish_shortcut(self, x, weight, bias, gn_weight, gn_bias, num_groups, eps,
-                                shortcut_weight, shortcut_bias, *, film=None, counters=None):
+                                shortcut_weight, shortcut_bias, *, film=None, counters=None, skip=None):
         self.shortcut_calls += 1
+        self.skips += skip is not None
+        x = x if skip is None else torch.cat((x, skip), dim=1)
         return (self.conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film),
                 self.conv1d(x, shortcut_weight, shortcut_bias, 1, 0, transposed=False))
 
@@ -263,6 +266,8 @@ def test_fused_dispatch(fake_ops):
     # Every residual block with a 1x1 shortcut runs it with its first conv.
     assert fake_ops.shortcut_calls == sum(isinstance(m, torch.nn.Conv1d) for name, m in ours.named_modules()
                                           if name.endswith("residual_conv")) > 0
+    # The up path's first blocks read their skip connections in place: no torch.cat.
+    assert fake_ops.skips == len(ours.up_modules) > 0
     with torch.inference_mode():
         ours(sample, timestep, **kw)
     assert fake_ops.calls == 2 * n and fake_ops.conv_calls == 2 * n_plain_convs(ours)

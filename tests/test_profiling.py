@@ -133,6 +133,11 @@ def test_formulas_read_the_recorded_arguments(tmp_path):
             "dpa::conv1d_gn_mish_shortcut",
             conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32, shortcut_bias=False,
                                          film=(1, 16))),
+        "fused shortcut with skip": (
+            lambda: ops.conv1d_gn_mish_shortcut(gx[:, :1], gw, gb, gb, gb, 2, 1e-5, torch.ones(6, 4, 1),
+                                                None, skip=gx[:, 1:]),
+            "dpa::conv1d_gn_mish_shortcut",
+            conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32, shortcut_bias=False)),
         "fused conv": (lambda: ops.conv1d(x, w, b, 2, 1, residual=torch.ones(2, 6, 5)), "dpa::conv1d",
                        fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True)),
         "fused conv transposed": (lambda: ops.conv1d(x8, wt, None, 2, 1, transposed=True), "dpa::conv1d",

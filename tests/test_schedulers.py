@@ -330,14 +330,51 @@ def test_op_ignores_noise_where_diffusers_adds_none():
     assert torch.equal(mean, schedule.reference_step(model_output, 0, sample, torch.zeros(SHAPE)))
 
 
-def test_op_handles_non_contiguous_inputs():
-    schedule = DenoiseSchedule.from_diffusers(DDIMScheduler(**DP_DDIM), 16, eta=0.5)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("view", ["transpose(0, 2)", "transpose(1, 2)", "5-D"])
+def test_op_handles_non_contiguous_inputs(view, device):
+    """The CUDA kernel reads model_output through its strides (the U-Net hands it a
+    transposed view) up to 4-D, and from a contiguous copy beyond."""
+    schedule = DenoiseSchedule.from_diffusers(DDIMScheduler(**DP_DDIM), 16, eta=0.5).to(device)
     generator = torch.Generator().manual_seed(0)
-    model_output, sample, noise = (torch.randn(SHAPE[::-1], generator=generator).transpose(0, 2)
-                                   for _ in range(3))
-    assert not sample.is_contiguous()
+    if view == "transpose(0, 2)":
+        make = lambda: torch.randn(SHAPE[::-1], generator=generator).transpose(0, 2)
+    elif view == "transpose(1, 2)":
+        make = lambda: torch.randn(4, 16, 10, generator=generator).transpose(1, 2)
+    else:
+        make = lambda: torch.randn(2, 2, 16, 5, 2, generator=generator).transpose(1, 3)
+    model_output, sample, noise = (make().to(device) for _ in range(3))
+    assert not model_output.is_contiguous()
     assert_bitwise_equal(schedule.step(model_output, 3, sample, noise),
-                         schedule.reference_step(model_output, 3, sample, noise), "transposed")
+                         schedule.reference_step(model_output, 3, sample, noise), view)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_op_inpaints_in_the_same_pass(dtype, device):
+    """With condition_data and condition_mask the op returns torch.where(mask, data, step):
+    the masked elements bit for bit condition_data's, the others the plain step's."""
+    schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**DP_DDPM), 100).to(device)
+    generator = torch.Generator().manual_seed(1)
+    model_output, sample, noise, data = (
+        torch.randn(SHAPE, generator=generator).to(device, dtype) for _ in range(4))
+    mask = (torch.rand(SHAPE, generator=generator) < 0.3).to(device)
+    inpainted = schedule.step(model_output, 5, sample, noise, condition_data=data, condition_mask=mask)
+    assert_bitwise_equal(inpainted, torch.where(mask, data, schedule.step(model_output, 5, sample, noise)),
+                         "inpainted")
+    assert 0 < int(mask.sum()) < mask.numel()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**DP_DDPM), 100).to(device)
+    model_output, sample, noise, data = (torch.randn(SHAPE, device=device) for _ in range(4))
+    mask = torch.rand(SHAPE, device=device) < 0.5
+    args = (model_output.transpose(1, 2).contiguous().transpose(1, 2), sample, noise, schedule.table,
+            3, 0, 0, 1.0, False)
+    torch.library.opcheck(torch.ops.dpa.denoise_step.default, args)
+    torch.library.opcheck(torch.ops.dpa.denoise_step.default, args,
+                          dict(condition_data=data, condition_mask=mask))
 
 
 @pytest.mark.parametrize("index", [-1, 16])
@@ -386,6 +423,14 @@ TABLE = DenoiseSchedule.from_diffusers(DDPMScheduler(**DP_DDPM), 100).table
     (dict(prediction_type="flow"), ValueError, "prediction_type"),
     (dict(clip_sample_range=0.0), ValueError, "clip_sample_range"),
     (dict(clip_sample_range=float("inf")), ValueError, "clip_sample_range"),
+    (dict(condition_data=torch.zeros(SHAPE)), ValueError, "condition_mask"),
+    (dict(condition_mask=torch.zeros(SHAPE, dtype=torch.bool)), ValueError, "condition_data"),
+    (dict(condition_data=torch.zeros(SHAPE), condition_mask=torch.zeros(SHAPE)), TypeError,
+     "condition_mask"),
+    (dict(condition_data=torch.zeros(SHAPE).half(), condition_mask=torch.zeros(SHAPE, dtype=torch.bool)),
+     TypeError, "condition_data"),
+    (dict(condition_data=torch.zeros(4, 10, 15), condition_mask=torch.zeros(4, 10, 15, dtype=torch.bool)),
+     ValueError, "condition_data"),
 ])
 def test_op_rejects_bad_arguments(overrides, error, name):
     with pytest.raises(error, match=name):
@@ -402,11 +447,13 @@ def test_step_rejects_mismatched_tensors():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["table", "model_output", "noise"])
+@pytest.mark.parametrize("name", ["table", "model_output", "noise", "condition_data", "condition_mask"])
 def test_op_rejects_tensors_on_other_devices(name):
     on_cuda = dict(model_output=torch.zeros(SHAPE, device="cuda"),
                    sample=torch.zeros(SHAPE, device="cuda"),
-                   noise=torch.zeros(SHAPE, device="cuda"), table=TABLE.cuda())
+                   noise=torch.zeros(SHAPE, device="cuda"), table=TABLE.cuda(),
+                   condition_data=torch.zeros(SHAPE, device="cuda"),
+                   condition_mask=torch.zeros(SHAPE, dtype=torch.bool, device="cuda"))
     on_cuda[name] = on_cuda[name].cpu()
     with pytest.raises(RuntimeError, match=name):
         call_op(**on_cuda)
