@@ -1384,7 +1384,10 @@ struct Im2col {
 // copies.
 constexpr int kIm2colRowsPerThread = 8;
 
-template <typename T>
+// kSplit: channels from x_split on (a concatenation read in place) come from x2; a template
+// argument because choosing per element cost this instruction-bound kernel about 1.5% of a
+// batch 64 half-precision step (BENCHMARKS.md), convs without a concatenation included.
+template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, const Im2col cut,
                                                           int rows, T* __restrict__ cols) {
   const int positions = a.batch * cut.length;
@@ -1392,7 +1395,6 @@ __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, co
   if (n >= positions) return;
   const int b = n / cut.length, l = n - b * cut.length;
   const T* __restrict__ x_b = static_cast<const T*>(a.x) + b * a.x_sb;
-  // Channels from x_split on (a concatenation read in place) come from x2.
   const T* __restrict__ x2_b = static_cast<const T*>(a.x2) + b * a.x2_sb;
   for (int row0 = blockIdx.y; row0 < rows; row0 += kIm2colRowsPerThread * gridDim.y) {
     T v[kIm2colRowsPerThread];
@@ -1400,7 +1402,7 @@ __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, co
     for (int j = 0; j < kIm2colRowsPerThread; ++j) {
       const int row = row0 + j * gridDim.y;
       const int c = row / cut.taps, pos = l * cut.stride + row - c * cut.taps - cut.pad;
-      const bool second = c >= a.x_split;
+      const bool second = kSplit && c >= a.x_split;
       const T* column = second ? x2_b + (c - a.x_split) * a.x2_sc : x_b + c * a.x_sc;
       v[j] = row < rows && pos >= 0 && pos < a.lin ? column[pos * (second ? a.x2_sl : a.x_sl)]
                                                    : static_cast<T>(0.f);
@@ -1876,8 +1878,8 @@ at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, bool transposed) {
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
   const dim3 grid(ceil_div(a.positions, kThreads), std::min(ceil_div(a.red, kIm2colRowsPerThread), 65535));
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
-    im2col_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        a, cut, a.red, cols.data_ptr<scalar_t>());
+    const auto kernel = a.x2 ? im2col_kernel<scalar_t, true> : im2col_kernel<scalar_t, false>;
+    kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, cut, a.red, cols.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return cols;
