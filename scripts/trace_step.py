@@ -3,8 +3,8 @@
 (ops._C.start_launch_trace: each block stamps the global timer), then replayed. For each
 conv launch of one step in the middle of the loop it prints, in µs after the previous conv
 launch's last block was done: when its blocks had waited for their input (median) and when
-its last block was done. A launch that follows PyTorch kernels (the skip concatenations,
-the inpainting, the FiLM sum, the denoise step) shows them in its "waited" column; the
+its last block was done. The step's first launch follows the denoise step (which also
+inpaints) and shows it in its "waited" column; the
 step's total is the last launch's done minus the previous step's. Medians over the steps in
 the middle of the loop and over replays.
 
