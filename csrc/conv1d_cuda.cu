@@ -943,9 +943,10 @@ struct WaitThenPrefetchEpilogue {
   }
 };
 
+// Output unit `unit` of a (a GroupNorm group; for a plain conv, a.unit_rows rows without the
+// statistics) by this block's cluster.
 template <typename T, int NT, int R, int EPL, bool kBulk>
-__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
-    stream_conv_cluster_kernel(const StreamArgs a) {
+__device__ __forceinline__ void cluster_conv_unit(const StreamArgs& a, int unit) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr int kTileRows = kWarps * R;
   static_assert(kTileRows * NT <= kThreads, "a block's share of a group is one element per thread");
@@ -959,14 +960,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   const cg::cluster_group cluster = cg::this_cluster();
   const int size = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int group_lo = blockIdx.x / size * a.unit_rows;
+  const int group_lo = unit * a.unit_rows;
+  const int unit_len = min(a.unit_rows, a.m - group_lo);  // a plain conv's last unit may be short
   const int tile_lo = group_lo + rank / a.splits * kTileRows;
-  const int row_hi = min(tile_lo + kTileRows, group_lo + a.unit_rows);
+  const int row_hi = min(tile_lo + kTileRows, group_lo + unit_len);
   // Block q's share of the group's outputs: rows [q * share, ...) of it at every position,
   // one element per thread, batch row major (each row's elements contiguous).
-  const int share = (a.unit_rows + size - 1) / size;
+  const int share = (unit_len + size - 1) / size;
   const int L = a.lout;
-  const auto share_rows = [&](int q) { return max(0, min(share, a.unit_rows - q * share)); };
+  const auto share_rows = [&](int q) { return max(0, min(share, unit_len - q * share)); };
   const int per_batch = share_rows(rank) * L, count = per_batch * a.batch;
   const bool mine = static_cast<int>(threadIdx.x) < count;
   const int b = mine ? threadIdx.x / per_batch : 0;
@@ -976,7 +978,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     mbarrier_init(&sums_arrived);
     mbarrier_init(&moments_arrived);
     mbarrier_expect_bytes(&sums_arrived, a.splits * count * sizeof(float));
-    mbarrier_expect_bytes(&moments_arrived, size * a.batch * sizeof(float4));
+    if (a.groups > 0) mbarrier_expect_bytes(&moments_arrived, size * a.batch * sizeof(float4));
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
@@ -1009,6 +1011,11 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     // In split order from the bias, as the split-K kernels add them (deterministic).
     for (int s = 0; s < a.splits; ++s) v += received_sums[s * count + threadIdx.x];
     share_values[threadIdx.x] = v;
+  }
+  if (a.groups == 0) {
+    if (mine) store_output<T>(a, b, c, l, apply_epilogue(e, v));
+    trace_event(a, kTraceFinished);
+    return;
   }
   __syncthreads();
   trace_event(a, kTraceSummed);
@@ -1051,6 +1058,25 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   // none pushes after that: no barrier before leaving.
   trace_event(a, kTraceFinished);
 #endif
+}
+
+template <typename T, int NT, int R, int EPL, bool kBulk>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_cluster_kernel(const StreamArgs a) {
+  cluster_conv_unit<T, NT, R, EPL, kBulk>(a, blockIdx.x / cg::this_cluster().num_blocks());
+}
+
+// A residual block's first conv (GroupNorm, a's units: its groups) and its 1x1 shortcut (b,
+// plain units) in one cluster launch, as stream_conv_pair_kernel pairs them on split-K
+// blocks: the shortcut's rows take clusters of their own, finished without a finishing block.
+template <typename T, int NT, int R, int EPL, bool kBulk>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_conv_cluster_pair_kernel(const StreamArgs a, const StreamArgs b, int a_units) {
+  __shared__ StreamArgs problem;
+  const int unit = blockIdx.x / cg::this_cluster().num_blocks();
+  const bool first = unit < a_units;
+  copy_args(problem, first ? a : b);
+  cluster_conv_unit<T, NT, R, EPL, kBulk>(problem, first ? unit : unit - a_units);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1511,12 +1537,13 @@ StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
 
 // Whether `clusters` clusters of `cluster_blocks` blocks of `kernel` can all be resident at
 // once (cached: the occupancy query is not free, and a U-Net asks about few shapes).
-bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_bytes, int clusters) {
+template <typename... Params>
+bool clusters_fit(void (*kernel)(Params...), int cluster_blocks, size_t shared_bytes, int clusters) {
   static std::mutex mutex;
-  static std::map<std::tuple<int, void (*)(StreamArgs), int, size_t>, int> resident;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> resident;
   const int device = c10::cuda::current_device();
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, kernel, cluster_blocks, shared_bytes);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), cluster_blocks, shared_bytes);
   auto found = resident.find(key);
   if (found == resident.end()) {
     set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
@@ -1529,56 +1556,134 @@ bool clusters_fit(void (*kernel)(StreamArgs), int cluster_blocks, size_t shared_
   return found->second >= clusters;
 }
 
-// The cluster plan of a GroupNorm conv (stream_conv_cluster_kernel), if it has one: a group's
-// row tiles times as many reduction splits as kMaxClusterBlocks allows, each slice short
-// enough (below) and in shared memory, and every group's cluster resident at once (a second
-// wave would double the time).
+// How a cluster streams one unit of a problem: row_tiles x splits blocks (row_tiles: set by
+// the caller), each with a slice
+// of split_len reduction elements staged in shared memory, its weights through registers or
+// (bulk) through a ring of `stages` chunks per warp.
+struct ClusterShape {
+  int row_tiles, splits, split_len, stages;
+  bool bulk;
+  size_t shared_bytes;
+};
+
+// The shape of a unit of a.unit_rows rows whose reduction is split `splits` ways (fewer where
+// whole granules cover it), or false where it does not fit in shared memory. `bulk`: the
+// ring or registers, where the caller decides (a pair shares one kernel); `max_stages` caps
+// the ring.
 template <typename T, int NT>
-bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
+bool cluster_shape(const StreamArgs& a, bool vectorised, int splits, std::optional<bool> bulk,
+                   int max_stages, ClusterShape& shape) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int R = conv_rows<NT>();
-  if (a.groups == 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
-      at::cuda::getCurrentDeviceProperties()->major < 9) {
-    return false;
-  }
-  const int row_tiles = ceil_div(a.unit_rows, kWarps * R);
-  if (row_tiles > kMaxClusterBlocks) return false;
   const int granule = 32 * (vectorised ? kVec : 1);
-  const int split_len = ceil_div(ceil_div(a.red, kMaxClusterBlocks / row_tiles), granule) * granule;
+  shape.split_len = ceil_div(ceil_div(a.red, splits), granule) * granule;
+  shape.splits = ceil_div(a.red, shape.split_len);
   // Within what two blocks per SM can each have, so that under programmatic dependent launch
   // the next kernel's block fits beside this one and requests its weights early.
   const size_t budget = max_shared_bytes();
-  size_t shared_bytes = static_cast<size_t>(NT) * split_len * sizeof(float);  // the staged input
+  shape.shared_bytes = static_cast<size_t>(NT) * shape.split_len * sizeof(float);  // the staged input
   // Where a block's first stream_depth<T>() loads per lane and row cover its whole slice, the
   // weights come through registers. Longer slices stream through the shared-memory ring: with
   // one block per SM where split-K has two, registers alone would keep half the bytes in
   // flight, which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
-  const bool bulk = split_len > stream_depth<T>() * granule;
-  int stages = 0;
-  if (bulk) {
+  shape.bulk = bulk.value_or(shape.split_len > stream_depth<T>() * granule);
+  shape.stages = 0;
+  if (shape.bulk) {
     if (!vectorised) return false;  // bulk copies move 16-byte aligned runs
     const size_t stage_bytes = static_cast<size_t>(kWarps) * R * granule * sizeof(T);
-    if (shared_bytes < budget) {
-      stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(split_len, granule)),
-                                                  kMaxRingStages, (budget - shared_bytes) / stage_bytes}));
+    if (shape.shared_bytes < budget) {
+      shape.stages = static_cast<int>(std::min<size_t>({static_cast<size_t>(ceil_div(shape.split_len, granule)),
+                                                        static_cast<size_t>(max_stages),
+                                                        (budget - shape.shared_bytes) / stage_bytes}));
     }
-    if (stages < stream_depth<T>()) return false;  // no more in flight than registers keep
-    shared_bytes += stages * stage_bytes;
+    if (shape.stages < 1) return false;
+    shape.shared_bytes += shape.stages * stage_bytes;
   }
-  if (shared_bytes > budget) return false;
-  const int splits = ceil_div(a.red, split_len);
+  return shape.shared_bytes <= budget;
+}
+
+void adopt(StreamArgs& a, const ClusterShape& shape) {
+  a.split_len = shape.split_len;
+  a.splits = shape.splits;
+  a.ring_stages = shape.stages;
+}
+
+// A GroupNorm conv's cluster shape, if it has one: a group's row tiles times as many
+// reduction splits as kMaxClusterBlocks allows.
+template <typename T, int NT>
+bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape& shape) {
+  if (a.groups == 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
+      at::cuda::getCurrentDeviceProperties()->major < 9) {
+    return false;
+  }
+  const int row_tiles = ceil_div(a.unit_rows, kWarps * conv_rows<NT>());
+  if (row_tiles > kMaxClusterBlocks ||
+      !cluster_shape<T, NT>(a, vectorised, kMaxClusterBlocks / row_tiles, std::nullopt, kMaxRingStages, shape)) {
+    return false;
+  }
+  shape.row_tiles = row_tiles;
+  // Past the ring's first fill no more in flight than registers keep: split-K does as well.
+  if (shape.bulk && shape.stages < stream_depth<T>()) return false;
   // A one-block cluster has no distributed shared memory to push into (compute-sanitizer
   // flags it), and split-K with one split costs the same on such a small layer.
-  if (row_tiles * splits < 2) return false;
-  const auto kernel = bulk         ? stream_conv_cluster_kernel<T, NT, R, kVec, true>
-                      : vectorised ? stream_conv_cluster_kernel<T, NT, R, kVec, false>
-                                   : stream_conv_cluster_kernel<T, NT, R, 1, false>;
-  if (!clusters_fit(kernel, row_tiles * splits, shared_bytes, a.groups)) return false;
-  a.split_len = split_len;
-  a.splits = splits;
-  a.ring_stages = stages;
-  launch = {kernel, nullptr, dim3(a.groups * row_tiles * splits), shared_bytes, -1, row_tiles * splits};
+  return shape.row_tiles * shape.splits >= 2;
+}
+
+// The instantiation of a cluster kernel template for a shape.
+#define DPA_CLUSTER_KERNEL(kernel, T, NT, shape, vectorised)                          \
+  ((shape).bulk  ? kernel<T, NT, conv_rows<NT>(), 16 / sizeof(T), true>               \
+   : (vectorised) ? kernel<T, NT, conv_rows<NT>(), 16 / sizeof(T), false>             \
+                  : kernel<T, NT, conv_rows<NT>(), 1, false>)
+
+// The cluster plan of a GroupNorm conv (stream_conv_cluster_kernel), if it has one, with
+// every group's cluster resident at once (a second wave would double the time).
+template <typename T, int NT>
+bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
+  ClusterShape shape;
+  if (!groupnorm_cluster_shape<T, NT>(a, vectorised, shape)) return false;
+  const auto kernel = DPA_CLUSTER_KERNEL(stream_conv_cluster_kernel, T, NT, shape, vectorised);
+  const int size = shape.row_tiles * shape.splits;
+  if (!clusters_fit(kernel, size, shape.shared_bytes, a.groups)) return false;
+  adopt(a, shape);
+  launch = {kernel, nullptr, dim3(a.groups * size), shape.shared_bytes, -1, size};
   return true;
+}
+
+// A conv1d_gn_mish_shortcut pair's cluster launch (stream_conv_cluster_pair_kernel).
+struct ClusterPairLaunch {
+  void (*kernel)(StreamArgs, StreamArgs, int) = nullptr;
+  int a_units = 0, b_units = 0, cluster_blocks = 0;
+  size_t shared_bytes = 0;
+};
+
+// The pair's cluster plan, if it has one: a's groups as plan_cluster has them; b's rows in
+// units of clusters of the same size, its reduction split in as few ways as keep its slices
+// no longer than a's (the longest slice sets the launch's time; fewer splits, more rows per
+// cluster, fewer clusters) and as many row tiles as the cluster then holds (the ranks left
+// over idle), and every cluster of both resident at once.
+template <typename T, int NT>
+ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, bool vectorised) {
+  ClusterShape sa, sb;
+  if (!groupnorm_cluster_shape<T, NT>(a, vectorised, sa)) return {};
+  const int size = sa.row_tiles * sa.splits;
+  int splits = 1;
+  while (splits <= size && !(cluster_shape<T, NT>(b, vectorised, splits, sa.bulk, sa.stages, sb) &&
+                             sb.split_len <= sa.split_len)) {
+    ++splits;
+  }
+  if (splits > size) return {};
+  const int unit_rows = size / sb.splits * kWarps * conv_rows<NT>();
+  ClusterPairLaunch launch;
+  launch.kernel = DPA_CLUSTER_KERNEL(stream_conv_cluster_pair_kernel, T, NT, sa, vectorised);
+  launch.a_units = a.groups;
+  launch.b_units = ceil_div(b.m, unit_rows);
+  launch.cluster_blocks = size;
+  launch.shared_bytes = sa.shared_bytes;  // b's slice and ring are no larger
+  if (!clusters_fit(launch.kernel, size, launch.shared_bytes, launch.a_units + launch.b_units)) return {};
+  b.unit_rows = unit_rows;
+  adopt(a, sa);
+  adopt(b, sb);
+  return launch;
 }
 
 template <typename T, int NT>
@@ -1599,6 +1704,32 @@ StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
           program_kind_of<NT>(true, vectorised)};
 }
 
+// Where the vector loads of a Conv1d-layout problem can be used: each lane's run of weights
+// 16-byte aligned, a row length divisible by the vector, and an aligned base.
+template <typename T>
+bool rows_vectorised(const StreamArgs& a, const at::Tensor& weight) {
+  return a.red % (16 / static_cast<int>(sizeof(T))) == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
+}
+
+// Calls plan.operator()<NT>() with the kernels' position tile for a.
+template <typename Plan>
+auto with_position_tile(const StreamArgs& a, const Plan& plan) {
+  switch (a.nt / a.n_tiles) {
+    case 4: return plan(std::integral_constant<int, 4>{});
+    case 8: return plan(std::integral_constant<int, 8>{});
+    case 16: return plan(std::integral_constant<int, 16>{});
+    default: return plan(std::integral_constant<int, 32>{});
+  }
+}
+
+template <typename T>
+ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, const at::Tensor& wa, const at::Tensor& wb) {
+  const bool vectorised = rows_vectorised<T>(a, wa) && rows_vectorised<T>(b, wb);
+  return with_position_tile(a, [&](auto nt) {
+    return plan_cluster_pair<T, decltype(nt)::value>(a, b, vectorised);
+  });
+}
+
 // clustered: a GroupNorm conv may take stream_conv_cluster_kernel.
 template <typename T>
 StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks,
@@ -1607,19 +1738,14 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
     constexpr int NT = decltype(nt)::value;
     // Vector loads need each lane's run of weights 16-byte aligned: a row length (conv) or
     // column count (transposed) divisible by the vector, and an aligned base.
-    const int vec = transposed ? transposed_vector<T, NT>() : 16 / static_cast<int>(sizeof(T));
-    const bool vectorised = (transposed ? a.m : a.red) % vec == 0 &&
-                            reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
+    const bool vectorised =
+        transposed ? a.m % transposed_vector<T, NT>() == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0
+                   : rows_vectorised<T>(a, weight);
     StreamLaunch launch;
     if (clustered && !transposed && plan_cluster<T, NT>(a, vectorised, launch)) return launch;
     return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised, blocks);
   };
-  switch (a.nt / a.n_tiles) {
-    case 4: return plan(std::integral_constant<int, 4>{});
-    case 8: return plan(std::integral_constant<int, 8>{});
-    case 16: return plan(std::integral_constant<int, 16>{});
-    default: return plan(std::integral_constant<int, 32>{});
-  }
+  return with_position_tile(a, plan);
 }
 
 // Position tiles, and whether the blocks prefetch their own weights into L2 while they wait
@@ -1826,6 +1952,18 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
                         int* counters, const std::vector<at::Tensor>& operands) {
   tile_positions(a, wa);
   tile_positions(b, wb);
+  if (!recording) {
+    ClusterPairLaunch cluster;
+    DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {
+      cluster = plan_cluster_pair<scalar_t>(a, b, wa, wb);
+    });
+    if (cluster.kernel) {
+      const dim3 grid((cluster.a_units + cluster.b_units) * cluster.cluster_blocks);
+      a.trace = b.trace = next_launch_trace(grid);
+      launch_streaming(cluster.kernel, grid, cluster.cluster_blocks, cluster.shared_bytes, a, b, cluster.a_units);
+      return;
+    }
+  }
   StreamLaunch la{}, lb{};
   const auto plan = [&](int b_blocks) {
     DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa streaming conv", [&] {

@@ -3,8 +3,9 @@ fused ops (fp32 and bf16) plus the kernels' edge paths (odd kernel sizes, groups
 blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, strided and
 transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv streamed through
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
-shortcut in one launch or, misaligned, two), the im2col + GEMM route of both ops, denoise steps, and a small U-Net's denoising
-loop with its forward as one persistent kernel (fp32 and bf16, batch 1 and 2)."""
+shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
+both ops, denoise steps, and a small U-Net's denoising loop with its forward as one
+persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
 
 from diffusion_policy_accelerated import ops
@@ -41,15 +42,23 @@ def main():
         w = torch.randn(cout, cin, 5, device="cuda", dtype=dtype) / (5 * cin) ** 0.5
         assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups)).all()
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    for batch, cin, cout, length, misaligned in [(1, 2, 256, 16, False), (3, 256, 512, 8, False),
-                                                 (1, 2048, 512, 4, False), (2, 7, 6, 3, False),
-                                                 (1, 512, 1024, 4, True)]:
-        x = torch.randn(batch, cin, length, device="cuda")
-        w = torch.randn(cout, cin, 5, device="cuda")
-        shortcut = torch.randn(cout * cin + misaligned, device="cuda")[int(misaligned):].view(cout, cin, 1)
+    # Pairs: thread-block clusters for both convs (the shortcut's last cluster short where its
+    # channels are no multiple of a cluster's rows, with or without the weight ring, reading
+    # a skip concatenation), split-K blocks where the plan does not fit, two launches misaligned.
+    for batch, cin, cout, length, misaligned, short_channels, skip_channels, dtype in [
+            (1, 2, 256, 16, False, 256, 0, torch.float32), (3, 256, 512, 8, False, 512, 0, torch.float32),
+            (1, 2048, 512, 4, False, 1000, 1024, torch.float32), (1, 256, 512, 8, False, 517, 100, torch.bfloat16),
+            (1, 1024, 256, 8, False, 256, 512, torch.bfloat16), (2, 7, 6, 3, False, 6, 0, torch.float32),
+            (1, 512, 1024, 4, True, 1024, 0, torch.float32)]:
+        x = torch.randn(batch, cin - skip_channels, length, device="cuda", dtype=dtype)
+        skip = torch.randn(batch, skip_channels, length, device="cuda", dtype=dtype) if skip_channels else None
+        w = torch.randn(cout, cin, 5, device="cuda", dtype=dtype)
+        shortcut = torch.randn(short_channels * cin + misaligned, device="cuda",
+                               dtype=dtype)[int(misaligned):].view(short_channels, cin, 1)
         outs = ops.conv1d_gn_mish_shortcut(x, w, None, None, None, 2, 1e-5, shortcut,
-                                           torch.randn(cout, device="cuda"),
-                                           film=torch.randn(batch, 2 * cout, device="cuda"), counters=counters)
+                                           torch.randn(short_channels, device="cuda", dtype=dtype),
+                                           film=torch.randn(batch, 2 * cout, device="cuda", dtype=dtype),
+                                           counters=counters, skip=skip)
         assert all(torch.isfinite(out).all() for out in outs)
     conv_shapes = [(1, 512, 512, 16, 3, 2, 1, False), (3, 7, 5, 9, 4, 3, 2, False), (1, 6, 9, 10, 7, 2, 0, False),
                    (1, 512, 512, 4, 4, 2, 1, True), (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True),

@@ -61,6 +61,7 @@ def check(shape, dtype, device, film_layout="scale+bias", shortcut_channels=None
     torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film),
                                **TOLERANCES[dtype])
     torch.testing.assert_close(short.cpu().double(), shortcut_reference(x, ws, bs), **TOLERANCES[dtype])
+    return out, short
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -113,6 +114,60 @@ def test_misaligned_shortcut_weight_takes_two_launches(dtype):
     misaligned = storage[1:].view_as(ws).copy_(ws)
     assert misaligned.data_ptr() % 16 != 0 and misaligned.is_contiguous()
     check(shape, dtype, "cuda", shortcut=(misaligned, bs))
+
+
+# Streaming-route pairs (shape, shortcut channels or None: as many as the conv's, skip_from
+# or None): the U-Nets' at batch 1, their slices streamed through registers or (2048->512 L4,
+# 1024->2048 L4) the cluster's shared-memory ring; shortcuts narrower or wider than the conv
+# and no multiple of a cluster's rows (a short last unit); odd batches, groups too small for a
+# cluster of two, a reduction not a multiple of the vector.
+PAIR_CASES = [((1, 2, 256, 16, 5, 8), None, None), ((1, 256, 512, 8, 5, 8), None, None),
+              ((1, 512, 1024, 4, 5, 8), None, None), ((1, 2048, 512, 4, 5, 8), None, 1024),
+              ((1, 1024, 256, 8, 5, 8), None, 512), ((1, 1024, 2048, 4, 5, 8), None, None),
+              ((1, 256, 512, 8, 5, 8), 3, None), ((1, 256, 512, 8, 5, 8), 517, 100),
+              ((1, 2048, 512, 4, 5, 8), 1000, None), ((3, 256, 512, 8, 5, 8), None, 128),
+              ((7, 64, 96, 4, 5, 8), 33, None), ((3, 9, 24, 5, 5, 24), None, None),
+              ((2, 33, 40, 7, 5, 5), 41, 32), ((1, 1304, 200, 4, 5, 8), 300, None)]
+
+# The pairs of the lowdim U-Net (horizon 16), which on a Hopper GPU must take the cluster
+# kernel in every dtype.
+LOWDIM_PAIRS = PAIR_CASES[:5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_both_streaming_kernels(clusters, dtype):
+    """On the streaming route a pair runs as thread-block clusters (a GroupNorm group each,
+    and the shortcut's rows in clusters of the same size: Hopper and newer, where the plan
+    fits) or as split-K blocks with finishing blocks: each must be right and repeat bit for
+    bit (both add the reduction's splits in a fixed order)."""
+    previous = ops.set_cluster_groupnorm(clusters)
+    try:
+        for seed, (shape, channels, skip_from) in enumerate(PAIR_CASES):
+            run = lambda: check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from, seed=seed)
+            out, short = run()
+            again, short_again = run()
+            assert torch.equal(out, again) and torch.equal(short, short_again), f"{shape}: a second run differs"
+    finally:
+        ops.set_cluster_groupnorm(previous)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper or newer GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,channels,skip_from", LOWDIM_PAIRS, ids=str)
+def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
+    """Every block of the cluster kernel stamps the launch trace's last event (of the split-K
+    kernel only the finishing blocks do): the lowdim U-Net's pairs are one cluster launch."""
+    buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
+    ops._C.start_launch_trace(buffer)
+    try:
+        check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from)
+    finally:
+        blocks = ops._C.stop_launch_trace()
+    assert len(blocks) == 1, "one launch"
+    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not the cluster kernel"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
