@@ -1084,16 +1084,17 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // streams W's rows whole: block = (32 * EPL columns, a slice of input channels); lane owns
 // EPL consecutive columns, warps take every kWarps-th input channel of the slice and are
 // summed in shared memory at the end. The finishing block folds taps into positions.
+// Streams the columns of tile `tile` over input-channel slice `split` at positions n0..
+// n0 + NT - 1 and leaves their sums in warp 0's acc (EPL columns x NT positions a lane, from
+// column tile * 32 * EPL + lane * EPL). Returns whether the lane's columns exist.
 template <typename T, int NT, int EPL, typename Wait>
-__device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int tile, int split,
-                                                       int n_tile, const Wait& wait) {
+__device__ __forceinline__ bool stream_transposed_sums(const StreamArgs& a, int tile, int split, int n0,
+                                                       const Wait& wait, float (&acc)[EPL * NT]) {
   extern __shared__ float4 shared_f4[];
   float* shared = reinterpret_cast<float*>(shared_f4);
   constexpr int V = EPL * NT;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile_lo = tile * 32 * EPL;
-  const int col = tile_lo + lane * EPL;
-  const int n0 = n_tile * NT;
+  const int col = tile * 32 * EPL + lane * EPL;
   const bool active = col < a.m;  // m % EPL == 0: a lane's columns are all in or all out
   const int c_begin = split * a.split_len;
   const int c_end = min(c_begin + a.split_len, a.red);
@@ -1132,7 +1133,6 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
   __syncthreads();
   trace_event(a, kTraceStaged);
 
-  float acc[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) acc[i] = 0.f;
   for (int i0 = 0; i0 < rows; i0 += kDepthTransposed) {
@@ -1172,6 +1172,16 @@ __device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int 
       for (int j = 0; j < V; ++j) acc[j] += partial[(j * half + warp) * 32 + lane];
     }
   }
+  return active;
+}
+
+template <typename T, int NT, int EPL, typename Wait>
+__device__ __forceinline__ void stream_transposed_tile(const StreamArgs& a, int tile, int split,
+                                                       int n_tile, const Wait& wait) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile_lo = tile * 32 * EPL, col = tile_lo + lane * EPL, n0 = n_tile * NT;
+  float acc[EPL * NT];
+  const bool active = stream_transposed_sums<T, NT, EPL>(a, tile, split, n0, wait, acc);
   // A lane's sums are EPL rows of NT consecutive positions (nt is a multiple of NT): 16-byte
   // stores, a quarter of the scattered 4-byte ones.
   static_assert(NT % 4 == 0, "position tiles are multiples of 4");
@@ -1191,6 +1201,81 @@ template <typename T, int NT, int EPL>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stream_conv_transposed_kernel(const StreamArgs a) {
   stream_transposed_tile<T, NT, EPL>(a, blockIdx.x, blockIdx.y, blockIdx.z, WaitForProducer{});
+}
+
+// ConvTranspose1d in thread-block clusters (Hopper): a cluster of K / EPL column tiles x
+// a.splits blocks owns a unit of 32 output channels (all K taps of each: 32 * K GEMM
+// columns). Block rank tile * splits + split streams its tile over its slice of input
+// channels as above and pushes warp 0's sums to the blocks that own them (block q: the
+// unit's channels [q * share, ...)); each owner adds up the splits in order, folds the taps
+// into positions and stores. No workspace, counters or finishing block: the split-K kernel's
+// finishing block, an L2 round trip per tap of each of its outputs, made the U-Nets'
+// upsampling 12-15 µs a launch (BENCHMARKS.md).
+template <typename T, int NT, int EPL>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm)
+    stream_transposed_cluster_kernel(const StreamArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ uint64_t sums_arrived;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int size = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int K = a.ksize, tiles = K / EPL;
+  const int unit = blockIdx.x / size;
+  const int c_lo = unit * 32, channels = min(32, a.cout - c_lo);
+  const int share = (channels + size - 1) / size;
+  const auto share_channels = [&](int q) { return max(0, min(share, channels - q * share)); };
+  const int mine = share_channels(rank);
+  // [split][own channel][tap][position], past the staged input and the warps' tree.
+  extern __shared__ float4 shared_f4[];
+  float* received = reinterpret_cast<float*>(shared_f4) + max(a.split_len * NT, kWarps / 2 * 32 * EPL * NT);
+  if (threadIdx.x == 0) {
+    mbarrier_init(&sums_arrived);
+    mbarrier_expect_bytes(&sums_arrived, a.splits * mine * K * NT * sizeof(float));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
+
+  const int tile = unit * tiles + rank / a.splits, split = rank % a.splits;
+  float acc[EPL * NT];
+  const bool active = stream_transposed_sums<T, NT, EPL>(a, tile, split, 0, WaitForProducer{}, acc);
+  cluster.barrier_wait();
+  if (threadIdx.x < 32 && active) {
+    // EPL | K: a lane's columns are taps k0.. of one channel.
+    const int col = tile * 32 * EPL + threadIdx.x * EPL;
+    const int c = col / K - c_lo, k0 = col % K;
+    const int owner = c / share, owned = share_channels(owner);
+    const uint32_t bar = in_block(shared_address(&sums_arrived), owner);
+    static_assert(NT % 4 == 0, "position tiles are multiples of 4");
+#pragma unroll
+    for (int v = 0; v < EPL; ++v) {
+      const float* row = received + ((split * owned + c - owner * share) * K + k0 + v) * NT;
+#pragma unroll
+      for (int n = 0; n < NT; n += 4)
+        push(in_block(shared_address(row + n), owner),
+             make_float4(acc[v * NT + n], acc[v * NT + n + 1], acc[v * NT + n + 2], acc[v * NT + n + 3]), bar);
+    }
+  }
+  mbarrier_wait(&sums_arrived, 0);
+  trace_event(a, kTraceArrived);
+  // Output (c, b, l) gathers tap k from input position j where l + pad - k = j * stride, the
+  // taps in order and each tap's splits in order, as the split-K kernel's finishing block.
+  const int per_channel = a.batch * a.lout;
+  for (int i = threadIdx.x; i < mine * per_channel; i += kThreads) {
+    const int own = i / per_channel, r = i % per_channel, b = r / a.lout, l = r % a.lout;
+    const int c = c_lo + rank * share + own;
+    float v = a.bias ? load_float<T>(a.bias, c) : 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int t = l + a.pad - k;
+      if (t < 0 || t % a.stride != 0 || t / a.stride >= a.lin) continue;
+      const float* sums = received + (own * K + k) * NT + b * a.lin + t / a.stride;
+      for (int s = 0; s < a.splits; ++s) v += sums[s * mine * K * NT];
+    }
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), v));
+  }
+  // No block leaves before every push into its shared memory has arrived, and none pushes
+  // after that: no barrier before leaving.
+  trace_event(a, kTraceFinished);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1730,7 +1815,36 @@ ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, const at::Tens
   });
 }
 
-// clustered: a GroupNorm conv may take stream_conv_cluster_kernel.
+// The cluster plan of a transposed conv (stream_transposed_cluster_kernel), if it has one:
+// a unit's K / EPL column tiles times as many input-channel splits as fill about one wave,
+// up to kMaxClusterBlocks, and every unit's cluster resident at once.
+template <typename T, int NT>
+bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
+  constexpr int kVec = transposed_vector<T, NT>();
+  const int epl = vectorised ? kVec : 1;
+  if (a.n_tiles != 1 || !cluster_groupnorm.load() || at::cuda::getCurrentDeviceProperties()->major < 9 ||
+      a.ksize % epl != 0 || a.ksize / epl > kMaxClusterBlocks) {
+    return false;
+  }
+  const int tiles = a.ksize / epl, units = ceil_div(a.cout, 32);
+  const int wanted = std::clamp(wave_blocks() / (units * tiles), 1, kMaxClusterBlocks / tiles);
+  const int split_len = ceil_div(a.red, std::min(wanted, a.red));
+  const int splits = ceil_div(a.red, split_len), size = tiles * splits;
+  if (size < 2) return false;  // no distributed shared memory in a one-block cluster
+  const size_t floats = std::max<size_t>(static_cast<size_t>(split_len) * NT, kWarps / 2 * 32 * epl * NT) +
+                        static_cast<size_t>(splits) * ceil_div(32, size) * a.ksize * NT;
+  const size_t shared_bytes = floats * sizeof(float);
+  if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
+  const auto kernel = vectorised ? stream_transposed_cluster_kernel<T, NT, kVec> : stream_transposed_cluster_kernel<T, NT, 1>;
+  if (!clusters_fit(kernel, size, shared_bytes, units)) return false;
+  a.split_len = split_len;
+  a.splits = splits;
+  launch = {kernel, nullptr, dim3(units * size), shared_bytes, -1, size};
+  return true;
+}
+
+// clustered: a GroupNorm conv may take stream_conv_cluster_kernel, a transposed conv
+// stream_transposed_cluster_kernel.
 template <typename T>
 StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks,
                          bool clustered = false) {
@@ -1742,7 +1856,10 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
         transposed ? a.m % transposed_vector<T, NT>() == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0
                    : rows_vectorised<T>(a, weight);
     StreamLaunch launch;
-    if (clustered && !transposed && plan_cluster<T, NT>(a, vectorised, launch)) return launch;
+    if (clustered && (transposed ? plan_transposed_cluster<T, NT>(a, vectorised, launch)
+                                 : plan_cluster<T, NT>(a, vectorised, launch))) {
+      return launch;
+    }
     return transposed ? plan_transposed<T, NT>(a, vectorised) : plan_conv<T, NT>(a, vectorised, blocks);
   };
   return with_position_tile(a, plan);

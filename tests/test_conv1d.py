@@ -207,6 +207,50 @@ def test_both_cuda_routes(route, threshold, dtype, with_residual):
         ops.set_gemm_path_min_positions(default)
 
 
+# Transposed convs on the streaming route: the U-Nets' upsampling, channels no multiple of a
+# cluster's 32 (a short last unit), batches up to 32 positions, other kernel sizes and
+# strides (taps no multiple of the vector, strides past the kernel size), one input channel
+# (a one-block cluster, so split-K).
+TRANSPOSED_SHAPES = [(1, 256, 256, 8, 4, 2, 1, True), (1, 512, 512, 4, 4, 2, 1, True),
+                     (1, 1024, 1024, 4, 4, 2, 1, True), (1, 512, 512, 8, 4, 2, 1, True),
+                     (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True), (2, 100, 70, 16, 4, 2, 1, True),
+                     (1, 9, 3, 8, 2, 2, 0, True), (2, 4, 4, 1, 5, 1, 2, True), (1, 7, 5, 3, 3, 3, 0, True),
+                     (4, 5, 7, 3, 1, 1, 0, True), (1, 1, 40, 8, 4, 2, 1, True)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_both_transposed_kernels(clusters, dtype):
+    """A transposed conv on the streaming route runs as thread-block clusters of 32 output
+    channels (Hopper and newer, where the plan fits) or as split-K blocks with finishing
+    blocks: each must be right, with and without a residual."""
+    previous = ops.set_cluster_groupnorm(clusters)
+    try:
+        for seed, shape in enumerate(TRANSPOSED_SHAPES):
+            check(shape, dtype, "cuda", seed=seed)
+            check(shape, dtype, "cuda", seed=seed, with_residual=False)
+    finally:
+        ops.set_cluster_groupnorm(previous)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a Hopper or newer GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", TRANSPOSED_SHAPES[:2], ids=str)
+def test_lowdim_upsampling_takes_clusters(shape, dtype):
+    """Every block of the cluster kernel stamps the launch trace's last event (of the split-K
+    kernel only the finishing blocks do): the lowdim U-Net's upsampling is a cluster launch."""
+    buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
+    ops._C.start_launch_trace(buffer)
+    try:
+        check(shape, dtype, "cuda")
+    finally:
+        blocks = ops._C.stop_launch_trace()
+    assert len(blocks) == 1, "one launch"
+    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not the cluster kernel"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pdl", [False, True])
 def test_programmatic_dependent_launch_chain(pdl):
