@@ -1720,17 +1720,39 @@ bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape&
    : (vectorised) ? kernel<T, NT, conv_rows<NT>(), 16 / sizeof(T), false>             \
                   : kernel<T, NT, conv_rows<NT>(), 1, false>)
 
-// The cluster plan of a GroupNorm conv (stream_conv_cluster_kernel), if it has one, with
-// every group's cluster resident at once (a second wave would double the time).
+// A plain conv's cluster shape, if it has one: one row tile per cluster, its reduction split
+// as split-K would split it over the wave (plan_conv), in at most kMaxClusterBlocks ways.
+template <typename T, int NT>
+bool plain_cluster_shape(StreamArgs& a, bool vectorised, ClusterShape& shape) {
+  constexpr int kTileRows = kWarps * conv_rows<NT>();
+  if (a.groups != 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
+      at::cuda::getCurrentDeviceProperties()->major < 9) {
+    return false;
+  }
+  const int splits = std::clamp(wave_blocks() / ceil_div(a.m, kTileRows), 1, kMaxClusterBlocks);
+  if (!cluster_shape<T, NT>(a, vectorised, splits, std::nullopt, kMaxRingStages, shape)) return false;
+  shape.row_tiles = 1;
+  if (shape.bulk && shape.stages < stream_depth<T>()) return false;
+  a.unit_rows = kTileRows;
+  return shape.splits >= 2;  // no distributed shared memory in a one-block cluster
+}
+
+// The cluster plan of a conv (stream_conv_cluster_kernel), if it has one: a GroupNorm conv's
+// groups or a plain conv's row tiles, every unit's cluster resident at once (a second wave
+// would double the time).
 template <typename T, int NT>
 bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   ClusterShape shape;
-  if (!groupnorm_cluster_shape<T, NT>(a, vectorised, shape)) return false;
+  if (!(a.groups > 0 ? groupnorm_cluster_shape<T, NT>(a, vectorised, shape)
+                     : plain_cluster_shape<T, NT>(a, vectorised, shape))) {
+    return false;
+  }
   const auto kernel = DPA_CLUSTER_KERNEL(stream_conv_cluster_kernel, T, NT, shape, vectorised);
   const int size = shape.row_tiles * shape.splits;
-  if (!clusters_fit(kernel, size, shape.shared_bytes, a.groups)) return false;
+  const int units = ceil_div(a.m, a.unit_rows);
+  if (!clusters_fit(kernel, size, shape.shared_bytes, units)) return false;
   adopt(a, shape);
-  launch = {kernel, nullptr, dim3(a.groups * size), shape.shared_bytes, -1, size};
+  launch = {kernel, nullptr, dim3(units * size), shape.shared_bytes, -1, size};
   return true;
 }
 
@@ -1843,7 +1865,7 @@ bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launc
   return true;
 }
 
-// clustered: a GroupNorm conv may take stream_conv_cluster_kernel, a transposed conv
+// clustered: a conv may take stream_conv_cluster_kernel, a transposed conv
 // stream_transposed_cluster_kernel.
 template <typename T>
 StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weight, int blocks,

@@ -207,27 +207,33 @@ def test_both_cuda_routes(route, threshold, dtype, with_residual):
         ops.set_gemm_path_min_positions(default)
 
 
-# Transposed convs on the streaming route: the U-Nets' upsampling, channels no multiple of a
-# cluster's 32 (a short last unit), batches up to 32 positions, other kernel sizes and
-# strides (taps no multiple of the vector, strides past the kernel size), one input channel
-# (a one-block cluster, so split-K).
-TRANSPOSED_SHAPES = [(1, 256, 256, 8, 4, 2, 1, True), (1, 512, 512, 4, 4, 2, 1, True),
-                     (1, 1024, 1024, 4, 4, 2, 1, True), (1, 512, 512, 8, 4, 2, 1, True),
-                     (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True), (2, 100, 70, 16, 4, 2, 1, True),
-                     (1, 9, 3, 8, 2, 2, 0, True), (2, 4, 4, 1, 5, 1, 2, True), (1, 7, 5, 3, 3, 3, 0, True),
-                     (4, 5, 7, 3, 1, 1, 0, True), (1, 1, 40, 8, 4, 2, 1, True)]
+# Plain and transposed convs on the streaming route. The lowdim U-Net's at batch 1 first
+# (downsampling, final conv, upsampling), the image U-Net's upsampling; then slices through
+# the cluster's shared-memory weight ring (4096 -> 64 k3), channels no multiple of a cluster's
+# rows or 32 (a short last unit), batches up to 32 positions, other kernel sizes and strides
+# (taps no multiple of the vector, strides past the kernel size), reductions too short to
+# split (a one-block cluster, so split-K).
+LOWDIM_STREAMING_SHAPES = [(1, 256, 256, 16, 3, 2, 1, False), (1, 512, 512, 8, 3, 2, 1, False),
+                           (1, 256, 2, 16, 1, 1, 0, False), (1, 512, 512, 4, 4, 2, 1, True),
+                           (1, 256, 256, 8, 4, 2, 1, True)]
+STREAMING_SHAPES = LOWDIM_STREAMING_SHAPES + [
+    (1, 1024, 1024, 4, 4, 2, 1, True), (1, 512, 512, 8, 4, 2, 1, True), (1, 4096, 64, 4, 3, 1, 1, False),
+    (3, 6, 10, 5, 4, 2, 1, True), (1, 33, 65, 7, 4, 2, 1, True), (2, 100, 70, 16, 4, 2, 1, True),
+    (2, 300, 70, 16, 3, 1, 1, False), (3, 5, 4, 9, 4, 3, 2, False), (1, 9, 3, 8, 2, 2, 0, True),
+    (2, 4, 4, 1, 5, 1, 2, True), (1, 7, 5, 3, 3, 3, 0, True), (4, 5, 7, 3, 1, 1, 0, True),
+    (1, 1, 40, 8, 4, 2, 1, True), (1, 3, 5, 7, 3, 1, 1, False)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_both_transposed_kernels(clusters, dtype):
-    """A transposed conv on the streaming route runs as thread-block clusters of 32 output
-    channels (Hopper and newer, where the plan fits) or as split-K blocks with finishing
+def test_both_streaming_kernels(clusters, dtype):
+    """A conv on the streaming route runs as thread-block clusters (a row tile or 32 output
+    channels each: Hopper and newer, where the plan fits) or as split-K blocks with finishing
     blocks: each must be right, with and without a residual."""
     previous = ops.set_cluster_groupnorm(clusters)
     try:
-        for seed, shape in enumerate(TRANSPOSED_SHAPES):
+        for seed, shape in enumerate(STREAMING_SHAPES):
             check(shape, dtype, "cuda", seed=seed)
             check(shape, dtype, "cuda", seed=seed, with_residual=False)
     finally:
@@ -237,10 +243,11 @@ def test_both_transposed_kernels(clusters, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs a Hopper or newer GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", TRANSPOSED_SHAPES[:2], ids=str)
-def test_lowdim_upsampling_takes_clusters(shape, dtype):
-    """Every block of the cluster kernel stamps the launch trace's last event (of the split-K
-    kernel only the finishing blocks do): the lowdim U-Net's upsampling is a cluster launch."""
+@pytest.mark.parametrize("shape", LOWDIM_STREAMING_SHAPES, ids=str)
+def test_lowdim_convs_take_clusters(shape, dtype):
+    """Every block of a cluster kernel stamps the launch trace's last event (of the split-K
+    kernels only the finishing blocks do): the lowdim U-Net's plain and transposed convs are
+    cluster launches."""
     buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
     ops._C.start_launch_trace(buffer)
     try:
@@ -248,7 +255,7 @@ def test_lowdim_upsampling_takes_clusters(shape, dtype):
     finally:
         blocks = ops._C.stop_launch_trace()
     assert len(blocks) == 1, "one launch"
-    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not the cluster kernel"
+    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not a cluster kernel"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
