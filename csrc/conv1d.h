@@ -82,10 +82,11 @@ extern std::atomic<int64_t> gemm_path_min_positions;
 // partial sums and code in L2 across a forward; normal for measurement
 // (ops.set_weights_evict_first). Read when a launch is made or recorded.
 extern std::atomic<bool> weights_evict_first;
-// Whether a GroupNorm conv on the streaming route runs as one thread-block cluster per group
-// (Hopper+, where its plan fits: stream_conv_cluster_kernel) instead of split-K blocks with a
-// finishing block. Switchable for measurement (ops.set_cluster_groupnorm).
-extern std::atomic<bool> cluster_groupnorm;
+// Whether convs on the streaming route run as thread-block clusters (Hopper+, where their plan
+// fits: stream_conv_cluster_kernel, stream_conv_cluster_pair_kernel,
+// stream_transposed_cluster_kernel) instead of split-K blocks with a finishing block.
+// Switchable for measurement (ops.set_clusters).
+extern std::atomic<bool> use_clusters;
 // Variants of StreamProgram for measurement (ops.set_program_options), a bit mask:
 // kProgramRelaxedPoll: stages wait by relaxed polling with back-off (read at run());
 // kProgramNoPrefetch: no L2 prefetch of a block's weights while it waits (read at end()).

@@ -25,9 +25,11 @@
 // ConvTranspose1d weights [C_in, C_out, K] are columns (stream_conv_transposed_kernel, which
 // computes the GEMM over (C_out, K) and folds the taps into positions in its epilogue);
 // stream_conv_pair_kernel runs two Conv1d-layout problems of one input in one launch (a
-// residual block's first conv and its 1x1 shortcut); stream_conv_cluster_kernel runs a
-// GroupNorm conv of short reduction slices as one thread-block cluster per group (Hopper),
-// which meets in distributed shared memory instead of the workspace; program_kernel runs a
+// residual block's first conv and its 1x1 shortcut). On Hopper, where a layer's plan fits,
+// thread-block clusters replace the workspace, counters and finishing block: the splits meet
+// in distributed shared memory (stream_conv_cluster_kernel: a cluster per GroupNorm group or
+// plain conv row tile; stream_conv_cluster_pair_kernel: a pair's groups and its shortcut's
+// row tiles; stream_transposed_cluster_kernel: 32 output channels); program_kernel runs a
 // recorded sequence of these problems as the stages of one persistent launch (experimental:
 // StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions
 // each weight feeds enough outputs that im2col + cuBLAS wins; the epilogue is then one more
@@ -63,7 +65,7 @@ std::atomic<int64_t> gemm_path_min_positions{kDefaultGemmPathMinPositions};
 std::atomic<bool> use_pdl{true};
 std::atomic<int> program_options{0};
 std::atomic<bool> weights_evict_first{true};
-std::atomic<bool> cluster_groupnorm{true};
+std::atomic<bool> use_clusters{true};
 
 namespace {
 
@@ -1697,7 +1699,7 @@ void adopt(StreamArgs& a, const ClusterShape& shape) {
 // reduction splits as kMaxClusterBlocks allows.
 template <typename T, int NT>
 bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape& shape) {
-  if (a.groups == 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
+  if (a.groups == 0 || a.n_tiles != 1 || !use_clusters.load() ||
       at::cuda::getCurrentDeviceProperties()->major < 9) {
     return false;
   }
@@ -1725,7 +1727,7 @@ bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape&
 template <typename T, int NT>
 bool plain_cluster_shape(StreamArgs& a, bool vectorised, ClusterShape& shape) {
   constexpr int kTileRows = kWarps * conv_rows<NT>();
-  if (a.groups != 0 || a.n_tiles != 1 || !cluster_groupnorm.load() ||
+  if (a.groups != 0 || a.n_tiles != 1 || !use_clusters.load() ||
       at::cuda::getCurrentDeviceProperties()->major < 9) {
     return false;
   }
@@ -1844,7 +1846,7 @@ template <typename T, int NT>
 bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   constexpr int kVec = transposed_vector<T, NT>();
   const int epl = vectorised ? kVec : 1;
-  if (a.n_tiles != 1 || !cluster_groupnorm.load() || at::cuda::getCurrentDeviceProperties()->major < 9 ||
+  if (a.n_tiles != 1 || !use_clusters.load() || at::cuda::getCurrentDeviceProperties()->major < 9 ||
       a.ksize % epl != 0 || a.ksize / epl > kMaxClusterBlocks) {
     return false;
   }

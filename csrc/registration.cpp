@@ -55,8 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Switches programmatic dependent launch of the streaming conv kernels and the denoise step; returns the old setting.");
   m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
         "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
-  m.def("set_cluster_groupnorm", [](bool enabled) { return dpa::cluster_groupnorm.exchange(enabled); },
-        "Sets whether GroupNorm convs may run as one thread-block cluster per group; returns the old setting.");
+  m.def("set_clusters", [](bool enabled) { return dpa::use_clusters.exchange(enabled); },
+        "Sets whether streaming convs may run as thread-block clusters; returns the old setting.");
   m.def("set_program_options", [](int options) {
     constexpr int kAll = dpa::kProgramRelaxedPoll | dpa::kProgramNoPrefetch;
     TORCH_CHECK_VALUE((options & ~kAll) == 0, "set_program_options: options must be a mask of bits ",

@@ -49,16 +49,18 @@ def set_weights_evict_first(enabled: bool) -> bool:
     return bool(_C.set_weights_evict_first(bool(enabled)))
 
 
-def set_cluster_groupnorm(enabled: bool) -> bool:
-    """Whether a GroupNorm conv on the streaming route (batch x length < 32) runs as one
-    thread-block cluster per group on Hopper and newer GPUs, which add up the reduction's
-    splits and take the group's statistics in distributed shared memory, instead of split-K
-    blocks that meet in a global workspace. Only layers whose blocks' weight slices are
-    short take it (at batch 1 the U-Nets' smaller layers); the others stay
-    split-K either way. On by default; returns the previous setting.
+def set_clusters(enabled: bool) -> bool:
+    """Whether convs on the streaming route (batch x length <= 32) run as thread-block
+    clusters on Hopper and newer GPUs, which add up the reduction's splits (and take a
+    GroupNorm group's statistics) in distributed shared memory, instead of split-K blocks
+    that meet in a global workspace and a finishing block: a cluster per GroupNorm group, per
+    row tile of a plain conv or a 1x1 shortcut, per 32 output channels of a transposed conv.
+    Layers whose plan does not fit (weight slices too long for the shared-memory ring, more
+    clusters than can be resident at once) stay split-K either way. On by default; returns
+    the previous setting.
     Process-wide, read when a kernel is launched or a graph captured; meant for measuring
     what it buys."""
-    return bool(_C.set_cluster_groupnorm(bool(enabled)))
+    return bool(_C.set_clusters(bool(enabled)))
 
 
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -1,6 +1,6 @@
 """A/B of the ways the sampler runs a U-Net forward, in one process: one launch per conv
 with GroupNorm convs as one thread-block cluster per group (the default) or as split-K
-blocks (ops.set_cluster_groupnorm(False)), and the single-kernel U-Net (GraphedSampler's dpa
+blocks (ops.set_clusters(False)), and the single-kernel U-Net (GraphedSampler's dpa
 StreamProgram) with each of the program variants asked for (ops set_program_options bits:
 1 = relaxed polling with back-off instead of acquire polling, 2 = no L2 prefetch of a
 block's weights while it waits); with --evict-normal each again with the streamed weights
@@ -33,7 +33,7 @@ def main():
                              "a third of the device time")
     args = parser.parse_args()
     # Builds from before the switch (scripts/ab_builds.sh's old side) have only split-K.
-    has_clusters = hasattr(ops._C, "set_cluster_groupnorm")
+    has_clusters = hasattr(ops._C, "set_clusters")
     schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**SCHEDULER_CONFIG), 100).to("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for unet_name in args.unet:
@@ -57,7 +57,7 @@ def main():
                 ops._C.set_program_options(options)
                 ops.set_weights_evict_first(first)
                 if has_clusters:
-                    ops.set_cluster_groupnorm(clusters)
+                    ops.set_clusters(clusters)
                 sampler = GraphedSampler(unet, schedule, single_kernel_unet=single)
                 action = sampler(data, mask, global_cond=cond, noise=noise)
                 reference = action if reference is None else reference
@@ -68,7 +68,7 @@ def main():
             ops._C.set_program_options(0)
             ops.set_weights_evict_first(True)
             if has_clusters:
-                ops.set_cluster_groupnorm(True)
+                ops.set_clusters(True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ so every call streams its weights from HBM as it does inside the real U-Net. Pri
 
 --sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
 + GEMM) at every size: where they cross sets the op's default switch-over. --split-k also
-times the streaming route's split-K GroupNorm kernel (ops.set_cluster_groupnorm(False))
+times the streaming route's split-K GroupNorm kernel (ops.set_clusters(False))
 next to the default, one thread-block cluster per group.
 """
 import argparse
@@ -128,10 +128,10 @@ def main():
                             x, ws[i], b, gamma, beta, groups, counters=counters), copies)
                     ops.set_gemm_path_min_positions(default)
                 if args.split_k:
-                    default = ops.set_cluster_groupnorm(False)
+                    default = ops.set_clusters(False)
                     paths["split_k_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
                         x, ws[i], b, gamma, beta, groups, counters=counters), copies)
-                    ops.set_cluster_groupnorm(default)
+                    ops.set_clusters(default)
                 row = dict(unet=unet, batch=batch, in_channels=cin, out_channels=cout, length=length,
                            kernel_size=k, groups=groups, weight_mb=weight_bytes / 1e6,
                            torch_us=torch_us, ours_us=ours_us, speedup=torch_us / ours_us,

@@ -1,6 +1,6 @@
 """Where one launch of a fused Conv1dBlock (conv1d_gn_mish) spends its time, for both of its
 streaming kernels: one thread-block cluster per GroupNorm group, and split-K blocks with a
-finishing block (ops.set_cluster_groupnorm(False)). A CUDA graph of back-to-back launches
+finishing block (ops.set_clusters(False)). A CUDA graph of back-to-back launches
 (one weight copy each, as in bench_conv_blocks.py) is replayed with every block stamping the
 global timer at points of its work (ops._C.start_launch_trace); for each launch but the
 first this prints, in µs from the moment the previous launch's last block was done: when its
@@ -110,11 +110,11 @@ def main():
         cin, cout, length = map(int, shape.split(","))
         mb = cin * cout * 5 * dtype.itemsize / 1e6
         for clusters in (True, False):
-            previous = ops.set_cluster_groupnorm(clusters)
+            previous = ops.set_clusters(clusters)
             try:
                 blocks, values = trace_layer(cin, cout, length, args.batch, dtype)
             finally:
-                ops.set_cluster_groupnorm(previous)
+                ops.set_clusters(previous)
             print(f"{cin}->{cout} L{length:<6} {mb:6.2f} {'cluster' if clusters else 'split-K':9} {blocks:6} "
                   + " ".join(f"{v:8.2f}" for v in values), flush=True)
 

@@ -231,13 +231,13 @@ def test_both_streaming_kernels(clusters, dtype):
     """A conv on the streaming route runs as thread-block clusters (a row tile or 32 output
     channels each: Hopper and newer, where the plan fits) or as split-K blocks with finishing
     blocks: each must be right, with and without a residual."""
-    previous = ops.set_cluster_groupnorm(clusters)
+    previous = ops.set_clusters(clusters)
     try:
         for seed, shape in enumerate(STREAMING_SHAPES):
             check(shape, dtype, "cuda", seed=seed)
             check(shape, dtype, "cuda", seed=seed, with_residual=False)
     finally:
-        ops.set_cluster_groupnorm(previous)
+        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

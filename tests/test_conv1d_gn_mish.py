@@ -287,7 +287,7 @@ def test_both_streaming_kernels(clusters, dtype):
     (Hopper and newer) or as split-K blocks with a finishing block: each must be right, with
     FiLM and residual, and repeat bit for bit (both add the reduction's splits in a fixed
     order)."""
-    previous = ops.set_cluster_groupnorm(clusters)
+    previous = ops.set_clusters(clusters)
     try:
         g = torch.Generator().manual_seed(9)
         for shape in CLUSTER_SHAPES:
@@ -301,7 +301,7 @@ def test_both_streaming_kernels(clusters, dtype):
                 **TOLERANCES[dtype])
             assert torch.equal(out, run()), f"{shape}: a second run differs"
     finally:
-        ops.set_cluster_groupnorm(previous)
+        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -311,7 +311,7 @@ def test_launch_trace(clusters):
     block's stamps in the order of its work. Every block of the cluster kernel leaves (stamps
     the last event); of the split-K kernel only the finishing blocks do: this also shows which
     kernel the U-Net's 256-channel length-16 layer takes on a Hopper GPU."""
-    previous = ops.set_cluster_groupnorm(clusters)
+    previous = ops.set_clusters(clusters)
     try:
         g = torch.Generator().manual_seed(10)
         x, w, b, gamma, beta = make_inputs((1, 256, 256, 16, 5, 8), torch.float32, "cuda", g)
@@ -325,7 +325,7 @@ def test_launch_trace(clusters):
         ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)  # not traced
         torch.cuda.synchronize()
     finally:
-        ops.set_cluster_groupnorm(previous)
+        ops.set_clusters(previous)
     assert len(blocks) == 2 and blocks[0] == blocks[1] > 0
     trace = buffer.cpu()
     first = trace[:blocks[0]]

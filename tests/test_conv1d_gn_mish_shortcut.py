@@ -142,7 +142,7 @@ def test_both_streaming_kernels(clusters, dtype):
     and the shortcut's rows in clusters of the same size: Hopper and newer, where the plan
     fits) or as split-K blocks with finishing blocks: each must be right and repeat bit for
     bit (both add the reduction's splits in a fixed order)."""
-    previous = ops.set_cluster_groupnorm(clusters)
+    previous = ops.set_clusters(clusters)
     try:
         for seed, (shape, channels, skip_from) in enumerate(PAIR_CASES):
             run = lambda: check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from, seed=seed)
@@ -150,7 +150,7 @@ def test_both_streaming_kernels(clusters, dtype):
             again, short_again = run()
             assert torch.equal(out, again) and torch.equal(short, short_again), f"{shape}: a second run differs"
     finally:
-        ops.set_cluster_groupnorm(previous)
+        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,

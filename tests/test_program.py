@@ -4,8 +4,8 @@ path, dpa StreamProgram) against the same sampler launching one kernel per conv.
 Both paths run the same split-K streaming-conv code with the same plans (the same split-K
 order, the same roundings), so their actions must be bit for bit equal, in every dtype;
 test_sampler.py compares the per-conv path with the float64-checked reference loop. The
-per-conv path's cluster kernel for GroupNorm convs (which a program does not run) takes its
-statistics in another order, so these tests turn it off.
+per-conv path's cluster kernels (which a program does not run) split the reductions and take
+the statistics in other orders, so these tests turn them off.
 """
 import re
 
@@ -21,13 +21,13 @@ needs_cuda_build = pytest.mark.skipif(not ops.built_with_cuda(), reason="extensi
 
 
 @pytest.fixture(autouse=True)
-def split_k_groupnorm():
+def split_k_kernels():
     if not ops.built_with_cuda():
         yield
         return
-    previous = ops.set_cluster_groupnorm(False)
+    previous = ops.set_clusters(False)
     yield
-    ops.set_cluster_groupnorm(previous)
+    ops.set_clusters(previous)
 
 # (down_dims, horizon, batch): 2-channel input layer (scalar weight loads), channel counts that
 # are not multiples of 8 / 16 (mixed vector widths), position tiles of 4, 8 and 16.
