@@ -1065,7 +1065,9 @@ __device__ __forceinline__ void cluster_conv_unit(const StreamArgs& a, int unit)
 template <typename T, int NT, int R, int EPL, bool kBulk>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stream_conv_cluster_kernel(const StreamArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   cluster_conv_unit<T, NT, R, EPL, kBulk>(a, blockIdx.x / cg::this_cluster().num_blocks());
+#endif
 }
 
 // A residual block's first conv (GroupNorm, a's units: its groups) and its 1x1 shortcut (b,
@@ -1074,11 +1076,13 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 template <typename T, int NT, int R, int EPL, bool kBulk>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stream_conv_cluster_pair_kernel(const StreamArgs a, const StreamArgs b, int a_units) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ StreamArgs problem;
   const int unit = blockIdx.x / cg::this_cluster().num_blocks();
   const bool first = unit < a_units;
   copy_args(problem, first ? a : b);
   cluster_conv_unit<T, NT, R, EPL, kBulk>(problem, first ? unit : unit - a_units);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1086,6 +1090,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // streams W's rows whole: block = (32 * EPL columns, a slice of input channels); lane owns
 // EPL consecutive columns, warps take every kWarps-th input channel of the slice and are
 // summed in shared memory at the end. The finishing block folds taps into positions.
+//
 // Streams the columns of tile `tile` over input-channel slice `split` at positions n0..
 // n0 + NT - 1 and leaves their sums in warp 0's acc (EPL columns x NT positions a lane, from
 // column tile * 32 * EPL + lane * EPL). Returns whether the lane's columns exist.
@@ -1644,9 +1649,8 @@ bool clusters_fit(void (*kernel)(Params...), int cluster_blocks, size_t shared_b
 }
 
 // How a cluster streams one unit of a problem: row_tiles x splits blocks (row_tiles: set by
-// the caller), each with a slice
-// of split_len reduction elements staged in shared memory, its weights through registers or
-// (bulk) through a ring of `stages` chunks per warp.
+// the caller), each with a slice of split_len reduction elements staged in shared memory, its
+// weights through registers or (bulk) through a ring of `stages` chunks per warp.
 struct ClusterShape {
   int row_tiles, splits, split_len, stages;
   bool bulk;
@@ -1817,10 +1821,11 @@ StreamLaunch plan_transposed(StreamArgs& a, bool vectorised) {
 // 16-byte aligned, a row length divisible by the vector, and an aligned base.
 template <typename T>
 bool rows_vectorised(const StreamArgs& a, const at::Tensor& weight) {
-  return a.red % (16 / static_cast<int>(sizeof(T))) == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
+  return a.red % (16 / static_cast<int>(sizeof(T))) == 0 &&
+         reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0;
 }
 
-// Calls plan.operator()<NT>() with the kernels' position tile for a.
+// plan(std::integral_constant<int, NT>) for the kernels' position tile NT of a.
 template <typename Plan>
 auto with_position_tile(const StreamArgs& a, const Plan& plan) {
   switch (a.nt / a.n_tiles) {
@@ -1859,7 +1864,8 @@ bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launc
                         static_cast<size_t>(splits) * ceil_div(32, size) * a.ksize * NT;
   const size_t shared_bytes = floats * sizeof(float);
   if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
-  const auto kernel = vectorised ? stream_transposed_cluster_kernel<T, NT, kVec> : stream_transposed_cluster_kernel<T, NT, 1>;
+  const auto kernel =
+      vectorised ? stream_transposed_cluster_kernel<T, NT, kVec> : stream_transposed_cluster_kernel<T, NT, 1>;
   if (!clusters_fit(kernel, size, shared_bytes, units)) return false;
   a.split_len = split_len;
   a.splits = splits;
@@ -1876,9 +1882,9 @@ StreamLaunch plan_stream(StreamArgs& a, bool transposed, const at::Tensor& weigh
     constexpr int NT = decltype(nt)::value;
     // Vector loads need each lane's run of weights 16-byte aligned: a row length (conv) or
     // column count (transposed) divisible by the vector, and an aligned base.
-    const bool vectorised =
-        transposed ? a.m % transposed_vector<T, NT>() == 0 && reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0
-                   : rows_vectorised<T>(a, weight);
+    const bool vectorised = transposed ? a.m % transposed_vector<T, NT>() == 0 &&
+                                             reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0
+                                       : rows_vectorised<T>(a, weight);
     StreamLaunch launch;
     if (clustered && (transposed ? plan_transposed_cluster<T, NT>(a, vectorised, launch)
                                  : plan_cluster<T, NT>(a, vectorised, launch))) {
