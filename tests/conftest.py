@@ -1,7 +1,10 @@
+import contextlib
 import re
 
 import pytest
 import torch
+
+from diffusion_policy_accelerated import ops
 
 # Every test that takes `device` runs on the CPU and, where one exists, on the GPU; without a
 # GPU the CUDA cases show up as skipped rather than disappearing.
@@ -41,3 +44,28 @@ def check_mixed_devices(op, args, name):
     args[name] = args[name].cpu()
     with pytest.raises(RuntimeError, match=f"{name if name != 'x' else 'weight'} is on"):
         op(**args)
+
+
+@contextlib.contextmanager
+def clusters_enabled(enabled):
+    """ops.set_clusters(enabled) for the block's duration: the streaming convs' cluster
+    kernels or their split-K blocks."""
+    previous = ops.set_clusters(enabled)
+    try:
+        yield
+    finally:
+        ops.set_clusters(previous)
+
+
+def assert_one_cluster_launch(run):
+    """run() must make exactly one traced launch, every block of which stamps the launch
+    trace's last event: a cluster kernel's blocks all do, of the split-K kernels only the
+    finishing blocks."""
+    buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
+    ops._C.start_launch_trace(buffer)
+    try:
+        run()
+    finally:
+        blocks = ops._C.stop_launch_trace()
+    assert len(blocks) == 1, "one launch"
+    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not a cluster kernel"

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D
-from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
+from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
+                      clusters_enabled, poison_allocator)
 
 # Tolerances per dtype, on outputs of size ~1 (weights scaled like PyTorch's default init):
 #  fp32: fp32 accumulation of up to ~4k products: ~1e-6, margin x100.
@@ -231,13 +232,10 @@ def test_both_streaming_kernels(clusters, dtype):
     """A conv on the streaming route runs as thread-block clusters (a row tile or 32 output
     channels each: Hopper and newer, where the plan fits) or as split-K blocks with finishing
     blocks: each must be right, with and without a residual."""
-    previous = ops.set_clusters(clusters)
-    try:
+    with clusters_enabled(clusters):
         for seed, shape in enumerate(STREAMING_SHAPES):
             check(shape, dtype, "cuda", seed=seed)
             check(shape, dtype, "cuda", seed=seed, with_residual=False)
-    finally:
-        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -248,14 +246,7 @@ def test_lowdim_convs_take_clusters(shape, dtype):
     """Every block of a cluster kernel stamps the launch trace's last event (of the split-K
     kernels only the finishing blocks do): the lowdim U-Net's plain and transposed convs are
     cluster launches."""
-    buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
-    ops._C.start_launch_trace(buffer)
-    try:
-        check(shape, dtype, "cuda")
-    finally:
-        blocks = ops._C.stop_launch_trace()
-    assert len(blocks) == 1, "one launch"
-    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not a cluster kernel"
+    assert_one_cluster_launch(lambda: check(shape, dtype, "cuda"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

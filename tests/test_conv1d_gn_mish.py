@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
-from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
+from conftest import DEVICES, check_bad_input, check_mixed_devices, clusters_enabled, poison_allocator
 
 # Tolerances per dtype (compared after the output is rounded to that dtype):
 #  fp32: fp32 accumulation of up to ~20k products, then normalisation: ~1e-5, margin x10.
@@ -287,8 +287,7 @@ def test_both_streaming_kernels(clusters, dtype):
     (Hopper and newer) or as split-K blocks with a finishing block: each must be right, with
     FiLM and residual, and repeat bit for bit (both add the reduction's splits in a fixed
     order)."""
-    previous = ops.set_clusters(clusters)
-    try:
+    with clusters_enabled(clusters):
         g = torch.Generator().manual_seed(9)
         for shape in CLUSTER_SHAPES:
             check(shape, dtype, "cuda")
@@ -300,8 +299,6 @@ def test_both_streaming_kernels(clusters, dtype):
                 out.cpu().double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
                 **TOLERANCES[dtype])
             assert torch.equal(out, run()), f"{shape}: a second run differs"
-    finally:
-        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -311,8 +308,7 @@ def test_launch_trace(clusters):
     block's stamps in the order of its work. Every block of the cluster kernel leaves (stamps
     the last event); of the split-K kernel only the finishing blocks do: this also shows which
     kernel the U-Net's 256-channel length-16 layer takes on a Hopper GPU."""
-    previous = ops.set_clusters(clusters)
-    try:
+    with clusters_enabled(clusters):
         g = torch.Generator().manual_seed(10)
         x, w, b, gamma, beta = make_inputs((1, 256, 256, 16, 5, 8), torch.float32, "cuda", g)
         buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
@@ -324,8 +320,6 @@ def test_launch_trace(clusters):
             blocks = ops._C.stop_launch_trace()
         ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)  # not traced
         torch.cuda.synchronize()
-    finally:
-        ops.set_clusters(previous)
     assert len(blocks) == 2 and blocks[0] == blocks[1] > 0
     trace = buffer.cpu()
     first = trace[:blocks[0]]

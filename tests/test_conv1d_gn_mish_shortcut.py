@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
-from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
+from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
+                      clusters_enabled, poison_allocator)
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 
 # (batch, in_channels, out_channels, length, kernel_size, groups) of the residual blocks that
@@ -142,15 +143,12 @@ def test_both_streaming_kernels(clusters, dtype):
     and the shortcut's rows in clusters of the same size: Hopper and newer, where the plan
     fits) or as split-K blocks with finishing blocks: each must be right and repeat bit for
     bit (both add the reduction's splits in a fixed order)."""
-    previous = ops.set_clusters(clusters)
-    try:
+    with clusters_enabled(clusters):
         for seed, (shape, channels, skip_from) in enumerate(PAIR_CASES):
             run = lambda: check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from, seed=seed)
             out, short = run()
             again, short_again = run()
             assert torch.equal(out, again) and torch.equal(short, short_again), f"{shape}: a second run differs"
-    finally:
-        ops.set_clusters(previous)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -160,14 +158,7 @@ def test_both_streaming_kernels(clusters, dtype):
 def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
     """Every block of the cluster kernel stamps the launch trace's last event (of the split-K
     kernel only the finishing blocks do): the lowdim U-Net's pairs are one cluster launch."""
-    buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
-    ops._C.start_launch_trace(buffer)
-    try:
-        check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from)
-    finally:
-        blocks = ops._C.stop_launch_trace()
-    assert len(blocks) == 1, "one launch"
-    assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not the cluster kernel"
+    assert_one_cluster_launch(lambda: check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
