@@ -814,9 +814,12 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
   if constexpr (kBulk) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (warp_rows > 0) {
+      // The stage and its barrier's phase parity counted along: chunk % stages and
+      // chunk / stages were an integer division a chunk (Nsight Compute's stall sampling).
+      int stage = 0;
+      uint32_t parity = 0;
       for (int chunk = 0; chunk < chunks; ++chunk) {
-        const int stage = chunk % stages;
-        mbarrier_wait(&stage_filled[warp][stage], chunk / stages % 2);
+        mbarrier_wait(&stage_filled[warp][stage], parity);
         if (e_begin + chunk * kChunk + lane * EPL < e_end) {
           Pack<T, EPL> wp[R];
 #pragma unroll
@@ -831,6 +834,7 @@ __device__ __forceinline__ void stream_conv_sums(const StreamArgs& a, int tile_l
           __syncwarp();
           fill_stage(stage, chunk + stages);
         }
+        if (++stage == stages) stage = 0, parity ^= 1;
       }
     }
 #endif
