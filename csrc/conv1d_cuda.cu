@@ -1703,14 +1703,17 @@ void adopt(StreamArgs& a, const ClusterShape& shape) {
   a.ring_stages = shape.stages;
 }
 
+// Whether a streaming conv may run as thread-block clusters at all: one position tile (the
+// kernels stage every position at once), the switch on (ops.set_clusters), a Hopper GPU.
+bool clusters_usable(const StreamArgs& a) {
+  return a.n_tiles == 1 && use_clusters.load() && at::cuda::getCurrentDeviceProperties()->major >= 9;
+}
+
 // A GroupNorm conv's cluster shape, if it has one: a group's row tiles times as many
 // reduction splits as kMaxClusterBlocks allows.
 template <typename T, int NT>
 bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape& shape) {
-  if (a.groups == 0 || a.n_tiles != 1 || !use_clusters.load() ||
-      at::cuda::getCurrentDeviceProperties()->major < 9) {
-    return false;
-  }
+  if (a.groups == 0 || !clusters_usable(a)) return false;
   const int row_tiles = ceil_div(a.unit_rows, kWarps * conv_rows<NT>());
   if (row_tiles > kMaxClusterBlocks ||
       !cluster_shape<T, NT>(a, vectorised, kMaxClusterBlocks / row_tiles, std::nullopt, kMaxRingStages, shape)) {
@@ -1735,10 +1738,7 @@ bool groupnorm_cluster_shape(const StreamArgs& a, bool vectorised, ClusterShape&
 template <typename T, int NT>
 bool plain_cluster_shape(StreamArgs& a, bool vectorised, ClusterShape& shape) {
   constexpr int kTileRows = kWarps * conv_rows<NT>();
-  if (a.groups != 0 || a.n_tiles != 1 || !use_clusters.load() ||
-      at::cuda::getCurrentDeviceProperties()->major < 9) {
-    return false;
-  }
+  if (a.groups != 0 || !clusters_usable(a)) return false;
   const int splits = std::clamp(wave_blocks() / ceil_div(a.m, kTileRows), 1, kMaxClusterBlocks);
   if (!cluster_shape<T, NT>(a, vectorised, splits, std::nullopt, kMaxRingStages, shape)) return false;
   shape.row_tiles = 1;
@@ -1855,8 +1855,7 @@ template <typename T, int NT>
 bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   constexpr int kVec = transposed_vector<T, NT>();
   const int epl = vectorised ? kVec : 1;
-  if (a.n_tiles != 1 || !use_clusters.load() || at::cuda::getCurrentDeviceProperties()->major < 9 ||
-      a.ksize % epl != 0 || a.ksize / epl > kMaxClusterBlocks) {
+  if (!clusters_usable(a) || a.ksize % epl != 0 || a.ksize / epl > kMaxClusterBlocks) {
     return false;
   }
   const int tiles = a.ksize / epl, units = ceil_div(a.cout, 32);
