@@ -143,29 +143,27 @@ ConvProblem check_conv1d_args(const at::Tensor& x, const at::Tensor& weight,
   return p;
 }
 
-std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
-    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
-    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
-  constexpr const char* op = "conv1d_gn_mish_shortcut";
-  int64_t skip_channels = 0;
-  if (skip.has_value()) {
-    check_float_tensor(x, op, "x");
-    check_dim(x, 3, op, "x", "[batch, in_channels, length]");
-    check_same_device(*skip, x, op, "skip", "x");
-    check_same_dtype(*skip, x, op, "skip", "x");
-    check_dim(*skip, 3, op, "skip", "[batch, skip_channels, length]");
-    TORCH_CHECK_VALUE(skip->size(0) == x.size(0) && skip->size(1) > 0 && skip->size(2) == x.size(2),
-                      op, ": skip must be [", x.size(0), ", skip_channels >= 1, ", x.size(2),
-                      "] like x ", x.sizes(), " (it is concatenated to x's channels), got ",
-                      skip->sizes());
-    skip_channels = skip->size(1);
-  }
-  const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
-                                                  eps, film, std::nullopt, std::nullopt, op,
-                                                  skip_channels);
+namespace {
+
+// skip's channels (0 without one): concatenated to x's, read in place.
+int64_t check_skip(const at::Tensor& x, const std::optional<at::Tensor>& skip, const char* op) {
+  if (!skip.has_value()) return 0;
+  check_float_tensor(x, op, "x");
+  check_dim(x, 3, op, "x", "[batch, in_channels, length]");
+  check_same_device(*skip, x, op, "skip", "x");
+  check_same_dtype(*skip, x, op, "skip", "x");
+  check_dim(*skip, 3, op, "skip", "[batch, skip_channels, length]");
+  TORCH_CHECK_VALUE(skip->size(0) == x.size(0) && skip->size(1) > 0 && skip->size(2) == x.size(2),
+                    op, ": skip must be [", x.size(0), ", skip_channels >= 1, ", x.size(2),
+                    "] like x ", x.sizes(), " (it is concatenated to x's channels), got ",
+                    skip->sizes());
+  return skip->size(1);
+}
+
+// The 1x1 shortcut conv of the GroupNorm conv p's input.
+ConvProblem check_shortcut(const ConvProblem& p, const at::Tensor& x,
+                           const at::Tensor& shortcut_weight,
+                           const std::optional<at::Tensor>& shortcut_bias, const char* op) {
   check_same_device(shortcut_weight, x, op, "shortcut_weight", "x");
   check_same_dtype(shortcut_weight, x, op, "shortcut_weight", "x");
   check_dim(shortcut_weight, 3, op, "shortcut_weight", "[shortcut_channels, in_channels, 1]");
@@ -181,12 +179,85 @@ std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
   shortcut.film_width = 0;
   check_channel_vector(shortcut_bias, shortcut.out_channels, x, op, "shortcut_bias");
   check_output_extras(shortcut, x, std::nullopt, std::nullopt, op);
-  if (counters.has_value()) {
-    ConvProblem both = p;
-    both.out_channels = p.out_channels + shortcut.out_channels;
-    check_output_extras(both, x, std::nullopt, counters, op);
-  }
+  return shortcut;
+}
+
+// counters for launches that use at most `channels` of them.
+void check_counters(const ConvProblem& p, int64_t channels, const at::Tensor& x,
+                    const std::optional<at::Tensor>& counters, const char* op) {
+  if (!counters.has_value()) return;
+  ConvProblem all = p;
+  all.out_channels = channels;
+  check_output_extras(all, x, std::nullopt, counters, op);
+}
+
+}  // namespace
+
+std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+  constexpr const char* op = "conv1d_gn_mish_shortcut";
+  const int64_t skip_channels = check_skip(x, skip, op);
+  const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
+                                                  eps, film, std::nullopt, std::nullopt, op,
+                                                  skip_channels);
+  const ConvProblem shortcut = check_shortcut(p, x, shortcut_weight, shortcut_bias, op);
+  check_counters(p, p.out_channels + shortcut.out_channels, x, counters, op);
   return {p, shortcut};
+}
+
+ResidualBlockProblem check_residual_block_args(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
+    int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+  constexpr const char* op = "residual_block";
+  ResidualBlockProblem r{};
+  const int64_t skip_channels = check_skip(x, skip, op);
+  r.first = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film,
+                                      std::nullopt, std::nullopt, op, skip_channels);
+  const int64_t channels = r.first.out_channels;
+  r.has_shortcut = shortcut_weight.has_value();
+  if (r.has_shortcut) {
+    r.shortcut = check_shortcut(r.first, x, *shortcut_weight, shortcut_bias, op);
+    TORCH_CHECK_VALUE(r.shortcut.out_channels == channels, op, ": shortcut_weight must have ",
+                      channels, " output channels (the residual is added to the block's output), got ",
+                      shortcut_weight->sizes());
+  } else {
+    TORCH_CHECK_VALUE(!shortcut_bias.has_value(), op,
+                      ": shortcut_bias was given without shortcut_weight");
+    TORCH_CHECK_VALUE(r.first.in_channels == channels, op,
+                      ": without shortcut_weight the residual is the input itself, so the input's ",
+                      r.first.in_channels, " channels", skip_channels ? " (with skip's)" : "",
+                      " must equal out_channels (", channels, ")");
+  }
+  check_same_device(weight2, x, op, "weight2", "x");
+  check_same_dtype(weight2, x, op, "weight2", "x");
+  check_dim(weight2, 3, op, "weight2", "[out_channels, out_channels, kernel_size]");
+  TORCH_CHECK_VALUE(weight2.size(0) == channels && weight2.size(1) == channels, op,
+                    ": weight2 must be [", channels, ", ", channels,
+                    ", kernel_size] (the second conv maps the first's output to as many "
+                    "channels), got ", weight2.sizes());
+  r.second = r.first;
+  r.second.in_channels = channels;
+  r.second.kernel_size = weight2.size(2);
+  r.second.padding = r.second.kernel_size / 2;
+  r.second.film_width = 0;
+  TORCH_CHECK_VALUE(r.second.kernel_size >= 1 && r.second.kernel_size % 2 == 1, op,
+                    ": weight2's kernel_size must be odd so that padding kernel_size // 2 keeps "
+                    "the length, got ", r.second.kernel_size);
+  check_channel_vector(bias2, channels, x, op, "bias2");
+  check_channel_vector(gn_weight2, channels, x, op, "gn_weight2");
+  check_channel_vector(gn_bias2, channels, x, op, "gn_bias2");
+  check_output_extras(r.second, x, std::nullopt, std::nullopt, op);
+  check_counters(r.first, channels + (r.has_shortcut ? channels : 0), x, counters, op);
+  return r;
 }
 
 namespace {
@@ -291,12 +362,36 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(
           conv1d_cpu(input, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
 }
 
+at::Tensor residual_block_cpu(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
+    int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+  check_residual_block_args(x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2,
+                            gn_bias2, num_groups, eps, shortcut_weight, shortcut_bias, film,
+                            counters, skip);
+  const std::optional<at::Tensor> none;
+  const at::Tensor input = skip.has_value() ? at::cat({x, *skip}, 1) : x;
+  const at::Tensor residual =
+      shortcut_weight.has_value()
+          ? conv1d_cpu(input, *shortcut_weight, shortcut_bias, 1, 0, false, none, none)
+          : input;
+  const at::Tensor h =
+      conv1d_gn_mish_cpu(input, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none);
+  return conv1d_gn_mish_cpu(h, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps, none,
+                            residual, none);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dpa, CPU, m) {
   m.impl("conv1d_gn_mish", &conv1d_gn_mish_cpu);
   m.impl("conv1d", &conv1d_cpu);
   m.impl("conv1d_gn_mish_shortcut", &conv1d_gn_mish_shortcut_cpu);
+  m.impl("residual_block", &residual_block_cpu);
 }
 
 }  // namespace dpa

@@ -13,6 +13,12 @@
 //                   With `skip`, x is cat((x, skip), dim=1), read in place: the U-Net's up
 //                   path, whose concatenation would otherwise be a launch (and a copy) of its
 //                   own between two convs.
+//   residual_block: a whole ConditionalResidualBlock1D given its FiLM: conv1d_gn_mish of the
+//                   input (x, or x and skip) with FiLM, then conv1d_gn_mish of that with the
+//                   residual added, the residual being the input or its 1x1 shortcut conv.
+//                   Where the convs take the CUDA GEMM route, the first conv's epilogue writes
+//                   the second's im2col columns and the second's epilogue adds the shortcut's
+//                   GEMM result: the im2col and shortcut-epilogue launches between them go.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,6 +73,23 @@ std::pair<ConvProblem, ConvProblem> check_conv1d_gn_mish_shortcut_args(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
     int64_t num_groups, double eps, const at::Tensor& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip);
+
+struct ResidualBlockProblem {
+  ConvProblem first, second;
+  ConvProblem shortcut;  // meaningful only with has_shortcut
+  bool has_shortcut;
+};
+
+// `counters` here needs >= out_channels elements, twice that with a shortcut (the streaming
+// route's first launch is conv1d_gn_mish_shortcut's).
+ResidualBlockProblem check_residual_block_args(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
+    int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
     const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip);
 

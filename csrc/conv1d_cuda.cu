@@ -1424,13 +1424,38 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // bits.
 constexpr int kHeldPerThread = 4;
 
+// What residual_block changes in the GroupNorm epilogue on the GEMM route. residual_pre: the
+// residual is a 1x1 shortcut's GEMM result [C_out, positions] (plus residual_bias), rounded
+// to T as the separate ops store the shortcut's output. cols: the output is written as the
+// next conv's im2col columns, transposed: cols[b * L + l][c * taps + k] =
+// out[b, c, l + k - taps / 2] (zeros outside), where an im2col launch would have read it.
+// Transposed because a block holds one (batch row, group): in this layout its columns are L
+// runs of cpg * taps consecutive elements, stored coalesced; in im2col's
+// [c * taps + k][positions] they were runs of L, and those scattered stores cost more than
+// the im2col launches they replaced (BENCHMARKS.md).
+struct GemmEpilogueIo {
+  const void* residual_pre;
+  const void* residual_bias;
+  void* cols;
+  int taps;
+};
+
+// Whether group_norm_epilogue_kernel holds a group in registers, which the GemmEpilogueIo
+// options require.
+bool group_held(int64_t channels_per_group, int64_t length) {
+  return channels_per_group * length <= kHeldPerThread * kThreads;
+}
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const StreamArgs a, const T* pre_data) {
+__global__ void __launch_bounds__(kThreads)
+    group_norm_epilogue_kernel(const StreamArgs a, const T* pre_data, const GemmEpilogueIo io) {
   __shared__ float scratch[kWarps];
   __shared__ float2 stats[1];
+  __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
-  const GemmPre<T> pre{pre_data, static_cast<int64_t>(a.batch) * L, a.bias};
+  const int64_t positions = static_cast<int64_t>(a.batch) * L;
+  const GemmPre<T> pre{pre_data, positions, a.bias};
   if (count > kHeldPerThread * kThreads) {
     return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
   }
@@ -1443,6 +1468,11 @@ __global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const Str
     if (i < count) {
       v[j] = pre(c, b * L + l);
       e[j] = load_epilogue<T>(a, b, c, l);
+      if (io.residual_pre) {
+        float r = io.residual_bias ? load_float<T>(io.residual_bias, c) : 0.f;
+        r += static_cast<float>(static_cast<const T*>(io.residual_pre)[c * positions + b * L + l]);
+        e[j].residual = static_cast<float>(static_cast<T>(r));
+      }
     }
   }
 #pragma unroll
@@ -1461,9 +1491,34 @@ __global__ void __launch_bounds__(kThreads) group_norm_epilogue_kernel(const Str
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
     const int i = threadIdx.x + j * kThreads;
-    if (i < count) {
-      const float out = mish((v[j] - mean) * rstd * e[j].gamma + e[j].beta);
-      store_output<T>(a, b, g * cpg + i / L, i % L, apply_epilogue(e[j], out));
+    if (i >= count) continue;
+    const float out = apply_epilogue(e[j], mish((v[j] - mean) * rstd * e[j].gamma + e[j].beta));
+    if (io.cols) {
+      staged[i] = out;
+    } else {
+      store_output<T>(a, b, g * cpg + i / L, i % L, out);
+    }
+  }
+  if (!io.cols) return;
+  __syncthreads();
+  // Row l of the tile, element c * taps + k, is out[c, l + k - pad]. (c, k) of a thread's
+  // next element advance by kThreads elements without a division.
+  const int taps = io.taps, pad = taps / 2, width = cpg * taps;
+  const int64_t row_stride = static_cast<int64_t>(a.cout) * taps;
+  T* tile = static_cast<T*>(io.cols) + b * L * row_stride + g * width;
+  const int c_step = kThreads / taps, k_step = kThreads % taps;
+  for (int l = 0; l < L; ++l) {
+    T* row = tile + l * row_stride;
+    int c = threadIdx.x / taps, k = threadIdx.x % taps;
+    for (int j = threadIdx.x; j < width; j += kThreads) {
+      const int at = l + k - pad;
+      row[j] = static_cast<T>(at >= 0 && at < L ? staged[c * L + at] : 0.f);
+      c += c_step;
+      k += k_step;
+      if (k >= taps) {
+        k -= taps;
+        ++c;
+      }
     }
   }
 }
@@ -1556,7 +1611,7 @@ StreamArgs common_args(const ConvProblem& p, const at::Tensor& x, const at::Tens
   a.weights_evict_first = weights_evict_first.load();
   a.bias = optional_data(bias);
   a.residual = optional_data(residual);
-  a.out = out.data_ptr();
+  a.out = out.defined() ? out.data_ptr() : nullptr;
   a.batch = static_cast<int>(p.batch);
   a.cout = static_cast<int>(p.out_channels);
   a.lin = static_cast<int>(p.in_length);
@@ -2208,7 +2263,7 @@ GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Ten
                         const std::optional<at::Tensor>& gn_weight,
                         const std::optional<at::Tensor>& gn_bias, double eps,
                         const std::optional<at::Tensor>& film,
-                        const std::optional<at::Tensor>& residual) {
+                        const std::optional<at::Tensor>& residual, bool with_output = true) {
   GnMishCall c;
   c.weight = weight.contiguous();
   c.bias = contiguous_or_none(bias);
@@ -2217,7 +2272,7 @@ GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Ten
   c.residual = contiguous_or_none(residual);
   // Rows may be strided (a slice of every block's FiLM, or one row broadcast to the batch).
   c.film = film.has_value() && film->stride(1) != 1 ? std::optional<at::Tensor>(film->contiguous()) : film;
-  c.out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
+  if (with_output) c.out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
   c.a = common_args(p, x, c.weight, c.bias, c.out, c.residual);
   c.a.gn_weight = optional_data(c.gn_weight);
   c.a.gn_bias = optional_data(c.gn_bias);
@@ -2257,11 +2312,12 @@ int* counters_data(const std::optional<at::Tensor>& counters) {
   return counters.has_value() ? counters->data_ptr<int>() : nullptr;
 }
 
-void launch_group_norm_epilogue(const GnMishCall& c, const at::Tensor& pre) {
+void launch_group_norm_epilogue(const GnMishCall& c, const at::Tensor& pre,
+                                const GemmEpilogueIo& io = {}) {
   DPA_DISPATCH_FLOAT_TYPES(pre.scalar_type(), "conv1d_gn_mish", [&] {
     group_norm_epilogue_kernel<scalar_t>
         <<<static_cast<unsigned>(c.a.batch * c.a.groups), kThreads, 0,
-           at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>());
+           at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>(), io);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -2329,6 +2385,13 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   return c.out;
 }
 
+// The input's channels from x's on come from skip (a concatenation read in place).
+void read_skip_in_place(StreamArgs& a, const at::Tensor& x, const at::Tensor& skip) {
+  a.x2 = skip.data_ptr();
+  a.x2_sb = skip.stride(0), a.x2_sc = skip.stride(1), a.x2_sl = skip.stride(2);
+  a.x_split = static_cast<int>(x.size(1));
+}
+
 std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
@@ -2349,11 +2412,8 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
   ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
   if (skip.has_value()) {
-    for (StreamArgs* a : {&c.a, &cs.a}) {
-      a->x2 = skip->data_ptr();
-      a->x2_sb = skip->stride(0), a->x2_sc = skip->stride(1), a->x2_sl = skip->stride(2);
-      a->x_split = static_cast<int>(x.size(1));
-    }
+    read_skip_in_place(c.a, x, *skip);
+    read_skip_in_place(cs.a, x, *skip);
   }
   if (gemm_route) {
     note_gemm_route("conv1d_gn_mish_shortcut");
@@ -2371,6 +2431,71 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
   if (skip.has_value()) operands.push_back(*skip);
   run_streaming_pair(c.a, cs.a, p, ps, x, c.weight, cs.weight, counters_data(counters), operands);
   return {c.out, cs.out};
+}
+
+at::Tensor residual_block_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& gn_weight, const std::optional<at::Tensor>& gn_bias,
+    const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
+    const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
+    int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
+    const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+  const ResidualBlockProblem r = check_residual_block_args(
+      x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps,
+      shortcut_weight, shortcut_bias, film, counters, skip);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const ConvProblem& p = r.first;
+  const std::optional<at::Tensor> none;
+  const bool fused = p.batch * p.out_length >= gemm_path_min_positions.load() &&
+                     conv_epilogue_fits(p) && conv_epilogue_fits(r.second) &&
+                     group_held(p.out_channels / p.groups, p.out_length);
+  if (!fused) {
+    // The ops one after the other: on the streaming route each conv is one launch already.
+    at::Tensor h, residual;
+    if (r.has_shortcut) {
+      std::tie(h, residual) = conv1d_gn_mish_shortcut_cuda(
+          x, weight, bias, gn_weight, gn_bias, num_groups, eps, *shortcut_weight, shortcut_bias,
+          film, counters, skip);
+    } else {
+      residual = skip.has_value() ? at::cat({x, *skip}, 1) : x;
+      h = conv1d_gn_mish_cuda(residual, weight, bias, gn_weight, gn_bias, num_groups, eps, film,
+                              none, counters);
+    }
+    return conv1d_gn_mish_cuda(h, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps, none,
+                               residual, counters);
+  }
+  note_gemm_route("residual_block");
+  GnMishCall first = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, none,
+                                  /*with_output=*/false);
+  if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
+  const at::Tensor cols = im2col(first.a, x, false);
+  const at::Tensor pre = at::mm(first.weight.reshape({first.a.m, first.a.red}), cols).contiguous();
+  // The second conv's input exists only as its im2col columns, transposed (GemmEpilogueIo).
+  const at::Tensor cols2 = at::empty({first.a.positions, r.second.in_channels * r.second.kernel_size},
+                                     x.options());
+  launch_group_norm_epilogue(first, pre, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(),
+                                                        static_cast<int>(r.second.kernel_size)});
+  GemmEpilogueIo io{};
+  std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
+  if (r.has_shortcut) {
+    // The 1x1 shortcut's columns are the first conv's centre-tap rows (conv1d_gn_mish_shortcut).
+    const at::Tensor centre = cols.as_strided({p.in_channels, first.a.positions},
+                                              {p.kernel_size * first.a.positions, 1},
+                                              first.a.pad * first.a.positions);
+    shortcut_pre = at::mm(shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels}), centre)
+                       .contiguous();
+    shortcut_bias_c = contiguous_or_none(shortcut_bias);
+    io.residual_pre = shortcut_pre->data_ptr();
+    io.residual_bias = optional_data(shortcut_bias_c);
+  } else {
+    identity = skip.has_value() ? at::cat({x, *skip}, 1) : x;
+  }
+  GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity);
+  second.a.x = nullptr;  // its input is cols2
+  launch_group_norm_epilogue(
+      second, at::mm(second.weight.reshape({second.a.m, second.a.red}), cols2.t()).contiguous(), io);
+  return second.out;
 }
 
 }  // namespace
@@ -2494,6 +2619,7 @@ TORCH_LIBRARY_IMPL(dpa, CUDA, m) {
   m.impl("conv1d_gn_mish", &conv1d_gn_mish_cuda);
   m.impl("conv1d", &conv1d_cuda);
   m.impl("conv1d_gn_mish_shortcut", &conv1d_gn_mish_shortcut_cuda);
+  m.impl("residual_block", &residual_block_cuda);
 }
 
 }  // namespace dpa

@@ -3,7 +3,8 @@
 // fake implementations for torch.compile live in diffusion_policy_accelerated/ops.py.
 //
 // `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device (for
-// conv1d_gn_mish_shortcut >= out_channels + shortcut channels: the conv's, then the shortcut's),
+// conv1d_gn_mish_shortcut >= out_channels + shortcut channels: the conv's, then the shortcut's;
+// for residual_block the same with its shortcut, else >= out_channels),
 // which the CUDA kernels use to find the last block of each output tile and leave all zero again.
 // Passing one (ConditionalUnet1D keeps one per module) saves a memset per call; without it the
 // op allocates zeroed counters itself. A counters tensor must not serve two ops running at the
@@ -31,6 +32,12 @@ TORCH_LIBRARY(dpa, m) {
       "-> (Tensor, Tensor)",
       {at::Tag::pt2_compliant_tag});
   m.def(
+      "residual_block(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
+      "Tensor? gn_bias, Tensor weight2, Tensor? bias2, Tensor? gn_weight2, Tensor? gn_bias2, "
+      "int num_groups, float eps, Tensor? shortcut_weight, Tensor? shortcut_bias, *, "
+      "Tensor? film=None, Tensor? counters=None, Tensor? skip=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
       "denoise_step(Tensor model_output, Tensor sample, Tensor? noise, Tensor table, int step, "
       "int scheduler, int prediction_type, float? clip_sample_range, "
       "bool use_clipped_model_output, *, Tensor? condition_data=None, "
@@ -51,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK_VALUE(n >= 1, "set_gemm_path_min_positions: n must be >= 1, got ", n);
     return dpa::gemm_path_min_positions.exchange(n);
   }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
+  m.def("gemm_path_min_positions", [] { return dpa::gemm_path_min_positions.load(); },
+        "Batch * length from which the conv ops' CUDA path uses im2col + cuBLAS.");
   m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
         "Switches programmatic dependent launch of the streaming conv kernels and the denoise step; returns the old setting.");
   m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },

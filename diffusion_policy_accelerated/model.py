@@ -9,7 +9,9 @@ At inference time (nothing needs autograd) every convolution runs a fused op: ea
 `Conv1dBlock` one `dpa::conv1d_gn_mish` (which also applies its residual block's FiLM or
 residual add), or, for a residual block's first Conv1dBlock and its 1x1 shortcut conv, one
 `dpa::conv1d_gn_mish_shortcut` for both; the down/upsampling and final convs run
-`dpa::conv1d`. Training, autograd, float64 and devices without kernels take the plain
+`dpa::conv1d`. Where the convs run as im2col + cuBLAS on CUDA (larger batches), a residual
+block is one `dpa::residual_block`, which passes data between its convs without launches of
+their own. Training, autograd, float64 and devices without kernels take the plain
 PyTorch path, which computes the same function (`use_fused_ops = False` selects it for
 comparison).
 """
@@ -297,6 +299,15 @@ class ConditionalResidualBlock1D(nn.Module):
         # [B, 2C]: scale first, then bias (the channel layout of Diffusion Policy's
         # checkpoints); [B, C]: a bias. The first block applies it to its output.
         film = embed.reshape(embed.shape[0], -1)
+        if self._takes_block_op(x, film, skip):
+            first, second = self.blocks
+            conv, norm, conv2, norm2 = first.block[0], first.block[1], second.block[0], second.block[1]
+            shortcut = None if isinstance(self.residual_conv, nn.Identity) else self.residual_conv
+            return _ops().residual_block(
+                x, conv.weight, conv.bias, norm.weight, norm.bias, conv2.weight, conv2.bias,
+                norm2.weight, norm2.bias, norm.num_groups, norm.eps,
+                None if shortcut is None else shortcut.weight, None if shortcut is None else shortcut.bias,
+                film=film, counters=_counters_for(first, x), skip=skip)
         if isinstance(self.residual_conv, nn.Identity):
             if skip is not None:
                 x = torch.cat((x, skip), dim=1)
@@ -304,6 +315,24 @@ class ConditionalResidualBlock1D(nn.Module):
         else:
             out, residual = self.blocks[0](x, film=film, shortcut=self.residual_conv, skip=skip)
         return self.blocks[1](out, residual=residual)
+
+
+    def _takes_block_op(self, x: torch.Tensor, film: torch.Tensor, skip: Optional[torch.Tensor]) -> bool:
+        """Whether dpa::residual_block computes this block and saves launches: on CUDA where
+        its convs run as im2col + cuBLAS. Elsewhere each conv is one launch already, and the
+        per-conv ops keep per-layer profiling and StreamProgram recording as they are."""
+        first, second = self.blocks
+        norm, norm2 = first.block[1], second.block[1]
+        if norm.num_groups != norm2.num_groups or norm.eps != norm2.eps:
+            return False
+        if isinstance(self.residual_conv, nn.Identity):
+            fusable = first._can_fuse(x, film, None) and _fusable(first.use_fused_ops, x, skip)
+        else:
+            fusable = first._can_fuse_shortcut(x, film, self.residual_conv, skip)
+        # The second conv reads the first's output, which has x's dtype and device.
+        fusable = fusable and second._can_fuse(x, None, None)
+        return (fusable and x.is_cuda
+                and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions())
 
 
 class ConditionalUnet1D(nn.Module):

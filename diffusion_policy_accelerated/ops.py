@@ -32,6 +32,12 @@ def set_gemm_path_min_positions(positions: int) -> int:
     return _C.set_gemm_path_min_positions(int(positions))
 
 
+def gemm_path_min_positions() -> int:
+    """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
+    (see set_gemm_path_min_positions)."""
+    return int(_C.gemm_path_min_positions())
+
+
 def set_pdl(enabled: bool) -> bool:
     """Programmatic dependent launch of the streaming conv kernels and the denoise step
     (Hopper and newer): each launches while the previous kernel finishes, and a conv starts
@@ -122,6 +128,36 @@ def conv1d_gn_mish_shortcut(x: torch.Tensor, weight: torch.Tensor, bias: Optiona
                                                  counters=counters, skip=skip)
 
 
+def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                   gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
+                   weight2: torch.Tensor, bias2: Optional[torch.Tensor],
+                   gn_weight2: Optional[torch.Tensor], gn_bias2: Optional[torch.Tensor],
+                   num_groups: int, eps: float = 1e-5,
+                   shortcut_weight: Optional[torch.Tensor] = None,
+                   shortcut_bias: Optional[torch.Tensor] = None, *,
+                   film: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
+                   skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Diffusion Policy's `ConditionalResidualBlock1D` given its FiLM embedding, in one op:
+
+        h = conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film)
+        residual = conv1d(x, shortcut_weight, shortcut_bias) if shortcut_weight is given, else x
+        out = conv1d_gn_mish(h, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps,
+                             residual=residual)
+
+    with x = torch.cat((x, skip), dim=1) when `skip` is given (read in place). Both
+    GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
+    (CUDA, batch x length >= gemm_path_min_positions()), the first conv's epilogue writes
+    the second conv's im2col columns and the second's epilogue adds the shortcut's GEMM
+    result, saving two to three launches per block; elsewhere the op runs the separate
+    ops, with the same results. `counters`: int32 zeros, at least out_channels of them,
+    twice that with a shortcut (see `conv1d`).
+    """
+    return torch.ops.dpa.residual_block(x, weight, bias, gn_weight, gn_bias, weight2, bias2,
+                                        gn_weight2, gn_bias2, int(num_groups), float(eps),
+                                        shortcut_weight, shortcut_bias, film=film,
+                                        counters=counters, skip=skip)
+
+
 def _enum(value, table, what):
     if isinstance(value, int) and value in table.values():
         return value
@@ -187,6 +223,19 @@ def _conv1d_gn_mish_shortcut_fake(x, weight, bias, gn_weight, gn_bias, num_group
     torch._check(shortcut_weight.dim() == 3,
                  lambda: "conv1d_gn_mish_shortcut: shortcut_weight must be [C_s, C_in, 1]")
     return out, x.new_empty((x.shape[0], shortcut_weight.shape[0], x.shape[2]))
+
+
+@torch.library.register_fake("dpa::residual_block")
+def _residual_block_fake(x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2, gn_bias2,
+                         num_groups, eps, shortcut_weight, shortcut_bias, *, film=None,
+                         counters=None, skip=None):
+    torch._check(x.dim() == 3, lambda: "residual_block: x must be [B, C_in, L]")
+    torch._check(weight.dim() == 3 and weight2.dim() == 3,
+                 lambda: "residual_block: weight and weight2 must be [C_out, C, K]")
+    if skip is not None:
+        torch._check(skip.dim() == 3 and skip.shape[0] == x.shape[0] and skip.shape[2] == x.shape[2],
+                     lambda: "residual_block: skip must be [B, C2, L] like x")
+    return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
 
 
 @torch.library.register_fake("dpa::denoise_step")

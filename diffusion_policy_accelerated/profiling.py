@@ -172,6 +172,26 @@ def conv1d_gn_mish_shortcut_cost(x: Shape, weight: Shape, shortcut_weight: Shape
     return flops + shortcut_flops, nbytes + shortcut_bytes - _nbytes(dtype, x)
 
 
+def residual_block_cost(x: Shape, weight: Shape, weight2: Shape, dtype: torch.dtype, *,
+                        shortcut_weight: Optional[Shape] = None, bias: bool = True,
+                        affine: bool = True, bias2: bool = True, affine2: bool = True,
+                        shortcut_bias: bool = True, film: Optional[Shape] = None) -> Cost:
+    """dpa::residual_block: its first conv (with the shortcut, if any) and its second, with
+    the residual; the first's output and the shortcut's are passed on inside the op, so only
+    x, the parameters, the FiLM and the output count as traffic."""
+    if shortcut_weight is None:
+        flops, nbytes = conv1d_gn_mish_cost(x, weight, dtype, bias=bias, affine=affine, film=film)
+    else:
+        flops, nbytes = conv1d_gn_mish_shortcut_cost(x, weight, shortcut_weight, dtype, bias=bias,
+                                                     affine=affine, shortcut_bias=shortcut_bias, film=film)
+    out = (x[0], weight[0], x[2])
+    flops2, nbytes2 = conv1d_gn_mish_cost(out, weight2, dtype, bias=bias2, affine=affine2, residual=True)
+    # Not traffic: the first output's write and read, and the residual's read (x, read already)
+    # or the shortcut's write and read.
+    passed_on = 2 * _nbytes(dtype, out) + (1 if shortcut_weight is None else 2) * _nbytes(dtype, out)
+    return flops + flops2, nbytes + nbytes2 - passed_on
+
+
 def denoise_step_cost(sample: Shape, dtype: torch.dtype, *, scheduler: str, prediction_type: str,
                       clip: bool, use_clipped_model_output: bool = False,
                       noise: bool = False) -> Cost:
@@ -260,6 +280,15 @@ def _conv1d_gn_mish_shortcut(c: OpInputs) -> Cost:
                                         affine=c.given(3), shortcut_bias=c.given(8), film=c.tensor(9))
 
 
+def _residual_block(c: OpInputs) -> Cost:
+    x, skip = c.tensor(0), c.tensor(15)
+    if skip is not None:  # the input is cat((x, skip), dim=1), read in place
+        x = (x[0], x[1] + skip[1], x[2])
+    return residual_block_cost(x, c.tensor(1), c.tensor(5), c.dtype, shortcut_weight=c.tensor(11),
+                               bias=c.given(2), affine=c.given(3), bias2=c.given(6), affine2=c.given(7),
+                               shortcut_bias=c.given(12), film=c.tensor(13))
+
+
 def _elementwise(c: OpInputs) -> Cost:
     return elementwise_cost(c.tensors(), c.dtype)
 
@@ -291,6 +320,7 @@ OP_COSTS: Dict[str, Callable[[OpInputs], Cost]] = {
         c.tensor(0), c.tensor(1), c.dtype, bias=c.given(2), stride=c.scalar(3),
         padding=c.scalar(4), transposed=c.scalar(5), residual=c.tensor(6) is not None),
     "dpa::conv1d_gn_mish_shortcut": _conv1d_gn_mish_shortcut,
+    "dpa::residual_block": _residual_block,
     "dpa::denoise_step": _denoise_step,
 }
 

@@ -338,20 +338,25 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture
 def counted_ops(monkeypatch):
-    """The real ops module with the ops that run a Conv1dBlock (conv1d_gn_mish, and
-    conv1d_gn_mish_shortcut for a residual block's first) wrapped to count their calls (proves
-    fusion ran)."""
+    """The real ops module with the ops that run Conv1dBlocks (conv1d_gn_mish, and
+    conv1d_gn_mish_shortcut for a residual block's first; residual_block for both of a block)
+    wrapped to count the Conv1dBlocks they run (proves fusion ran); `residual_blocks` counts
+    residual_block calls."""
     ops = model_mod._ops()
-    counter = {"calls": 0}
+    counter = {"calls": 0, "residual_blocks": 0}
 
-    def counting(real):
+    def counting(real, conv_blocks):
+        whole_block = real is ops.residual_block
+
         def call(*args, **kwargs):
-            counter["calls"] += 1
+            counter["calls"] += conv_blocks
+            counter["residual_blocks"] += whole_block
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(ops, "conv1d_gn_mish", counting(ops.conv1d_gn_mish))
-    monkeypatch.setattr(ops, "conv1d_gn_mish_shortcut", counting(ops.conv1d_gn_mish_shortcut))
+    monkeypatch.setattr(ops, "conv1d_gn_mish", counting(ops.conv1d_gn_mish, 1))
+    monkeypatch.setattr(ops, "conv1d_gn_mish_shortcut", counting(ops.conv1d_gn_mish_shortcut, 1))
+    monkeypatch.setattr(ops, "residual_block", counting(ops.residual_block, 2))
     return counter
 
 
@@ -440,6 +445,22 @@ def test_fused_cuda(name, dtype, counted_ops, no_tf32):
     assert model_mod._ops().built_with_cuda(), "a CUDA machine must run the CUDA build"
     batch, horizon = (8, 16) if name == "default" else (None, None)
     _check_fused(name, dtype, "cuda", counted_ops, batch=batch, horizon=horizon)
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", [3, 64])
+def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops, no_tf32):
+    """Where batch x length reaches the GEMM route, each residual block is one
+    dpa::residual_block; below it (batch 3 at lengths 8 and 4) the per-conv ops."""
+    before = counted_ops["residual_blocks"]
+    _check_fused("default", dtype, "cuda", counted_ops, batch=batch, horizon=16)
+    threshold = model_mod._ops().gemm_path_min_positions()
+    # The default U-Net's 12 residual blocks at horizon 16: 2 at length 16 (down), 4 at 8
+    # (down, up), 6 at 4 (down, mid, up).
+    expected = sum(n for length, n in ((16, 2), (8, 4), (4, 6)) if batch * length >= threshold)
+    assert counted_ops["residual_blocks"] - before == expected
 
 
 def test_conv1d_block_shapes_lists_every_fused_call():

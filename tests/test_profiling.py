@@ -17,7 +17,7 @@ from diffusion_policy_accelerated.profiling import (
     ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, cat_cost, conv1d_cost, conv1d_gn_mish_cost,
     conv1d_gn_mish_shortcut_cost,
     conv_transpose1d_cost, denoise_step_cost, elementwise_cost, format_gpu_split, fused_conv1d_cost,
-    group_norm_cost,
+    group_norm_cost, residual_block_cost,
     layer_names, layer_of, linear_cost, matmul_cost, mish_cost, parse_trace, record_trace, roofline_op)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -64,6 +64,10 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
     # conv1d_gn_mish (6656, 1504 above) + a 1x1 conv of the same x to 6 channels: 2*96*4 + 96
     # = 864 FLOPs; bytes 4 * (24 + 6 + 96) = 504, x being read once -> (7520, 2008).
     (conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32), (7520, 2008)),
+    # Identity residual block, x [1, 8, 16], weights [8, 8, 5] and [8, 8, 3]: conv1d_gn_mish
+    # 10368 + 896 + 512 = 11776, then 6272 + 896 + 512 + 128 (residual) = 7808; bytes are x,
+    # both weights, six parameter vectors and the output: 4 * (128 + 320 + 192 + 48 + 128).
+    (residual_block_cost((1, 8, 16), (8, 8, 5), (8, 8, 3), F32), (19584, 3264)),
     # dpa::conv1d = the conv's cost (first case above: 1500, 872) + a residual [2, 6, 5]:
     # 60 FLOPs and 4 * 60 bytes.
     (fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True), (1560, 1112)),
@@ -138,6 +142,18 @@ def test_formulas_read_the_recorded_arguments(tmp_path):
                                                 None, skip=gx[:, 1:]),
             "dpa::conv1d_gn_mish_shortcut",
             conv1d_gn_mish_shortcut_cost((1, 4, 16), (8, 4, 5), (6, 4, 1), F32, shortcut_bias=False)),
+        "residual block": (
+            lambda: ops.residual_block(gx, gw, gb, gb, gb, torch.ones(8, 8, 3), None, None, None, 2, 1e-5,
+                                       torch.ones(8, 4, 1), None, film=torch.ones(1, 16)),
+            "dpa::residual_block",
+            residual_block_cost((1, 4, 16), (8, 4, 5), (8, 8, 3), F32, shortcut_weight=(8, 4, 1), bias2=False,
+                                affine2=False, shortcut_bias=False, film=(1, 16))),
+        "residual block with skip": (
+            lambda: ops.residual_block(gx[:, :3], gw, None, None, None, torch.ones(8, 8, 3), gb, gb, gb, 2,
+                                       1e-5, torch.ones(8, 4, 1), gb, skip=gx[:, 3:]),
+            "dpa::residual_block",
+            residual_block_cost((1, 4, 16), (8, 4, 5), (8, 8, 3), F32, shortcut_weight=(8, 4, 1), bias=False,
+                                affine=False)),
         "fused conv": (lambda: ops.conv1d(x, w, b, 2, 1, residual=torch.ones(2, 6, 5)), "dpa::conv1d",
                        fused_conv1d_cost((2, 4, 10), (6, 4, 3), F32, stride=2, padding=1, residual=True)),
         "fused conv transposed": (lambda: ops.conv1d(x8, wt, None, 2, 1, transposed=True), "dpa::conv1d",
