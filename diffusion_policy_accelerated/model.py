@@ -316,7 +316,6 @@ class ConditionalResidualBlock1D(nn.Module):
             out, residual = self.blocks[0](x, film=film, shortcut=self.residual_conv, skip=skip)
         return self.blocks[1](out, residual=residual)
 
-
     def _takes_block_op(self, x: torch.Tensor, film: torch.Tensor, skip: Optional[torch.Tensor]) -> bool:
         """Whether dpa::residual_block computes this block and saves launches: on CUDA where
         its convs run as im2col + cuBLAS. Elsewhere each conv is one launch already, and the

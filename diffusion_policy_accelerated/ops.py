@@ -148,8 +148,8 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
     (CUDA, batch x length >= gemm_path_min_positions()), the first conv's epilogue writes
     the second conv's im2col columns and the second's epilogue adds the shortcut's GEMM
-    result, saving two to three launches per block; elsewhere the op runs the separate
-    ops, with the same results. `counters`: int32 zeros, at least out_channels of them,
+    result, saving one launch per block, two with a shortcut; elsewhere the op runs the
+    separate ops. `counters`: int32 zeros, at least out_channels of them,
     twice that with a shortcut (see `conv1d`).
     """
     return torch.ops.dpa.residual_block(x, weight, bias, gn_weight, gn_bias, weight2, bias2,

@@ -187,8 +187,8 @@ def residual_block_cost(x: Shape, weight: Shape, weight2: Shape, dtype: torch.dt
     out = (x[0], weight[0], x[2])
     flops2, nbytes2 = conv1d_gn_mish_cost(out, weight2, dtype, bias=bias2, affine=affine2, residual=True)
     # Not traffic: the first output's write and read, and the residual's read (x, read already)
-    # or the shortcut's write and read.
-    passed_on = 2 * _nbytes(dtype, out) + (1 if shortcut_weight is None else 2) * _nbytes(dtype, out)
+    # or the shortcut output's write and read: 3 or 4 output-sized tensors.
+    passed_on = (3 if shortcut_weight is None else 4) * _nbytes(dtype, out)
     return flops + flops2, nbytes + nbytes2 - passed_on
 
 
