@@ -320,6 +320,10 @@ class ConditionalResidualBlock1D(nn.Module):
         """Whether dpa::residual_block computes this block and saves launches: on CUDA where
         its convs run as im2col + cuBLAS. Elsewhere each conv is one launch already, and the
         per-conv ops keep per-layer profiling and StreamProgram recording as they are."""
+        # The route first: it is false at batch 1, where the per-conv checks then run only once.
+        if not (x.is_cuda and _fused_device_ok(x.device)
+                and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions()):
+            return False
         first, second = self.blocks
         norm, norm2 = first.block[1], second.block[1]
         if norm.num_groups != norm2.num_groups or norm.eps != norm2.eps:
@@ -329,9 +333,7 @@ class ConditionalResidualBlock1D(nn.Module):
         else:
             fusable = first._can_fuse_shortcut(x, film, self.residual_conv, skip)
         # The second conv reads the first's output, which has x's dtype and device.
-        fusable = fusable and second._can_fuse(x, None, None)
-        return (fusable and x.is_cuda
-                and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions())
+        return fusable and second._can_fuse(x, None, None)
 
 
 class ConditionalUnet1D(nn.Module):
