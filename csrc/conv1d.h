@@ -110,6 +110,11 @@ extern std::atomic<bool> weights_evict_first;
 // stream_transposed_cluster_kernel) instead of split-K blocks with a finishing block.
 // Switchable for measurement (ops.set_clusters).
 extern std::atomic<bool> use_clusters;
+// Whether a GEMM-route op with a 1x1 shortcut (conv1d_gn_mish_shortcut, residual_block) may
+// run the shortcut's GEMM on a side stream, overlapping its main path, where that pays
+// (shortcut_on_side_stream in conv1d_cuda.cu). Switchable for measurement
+// (ops.set_side_stream); read when a launch is made or captured.
+extern std::atomic<bool> use_side_stream;
 // Variants of StreamProgram for measurement (ops.set_program_options), a bit mask:
 // kProgramRelaxedPoll: stages wait by relaxed polling with back-off (read at run());
 // kProgramNoPrefetch: no L2 prefetch of a block's weights while it waits (read at end()).

@@ -35,6 +35,7 @@
 // each weight feeds enough outputs that im2col + cuBLAS wins; the epilogue is then one more
 // launch (group_norm_epilogue_kernel, conv_epilogue_kernel).
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
@@ -66,6 +67,7 @@ std::atomic<bool> use_pdl{true};
 std::atomic<int> program_options{0};
 std::atomic<bool> weights_evict_first{true};
 std::atomic<bool> use_clusters{true};
+std::atomic<bool> use_side_stream{true};
 
 namespace {
 
@@ -2385,6 +2387,70 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   return c.out;
 }
 
+// A GEMM-route op's work that does not depend on its main path (a shortcut's GEMM) runs on
+// a side stream: at these sizes each GEMM fills a fraction of the GPU, so the two overlap.
+// The side stream starts after what the caller's stream has queued, and the caller's stream
+// waits for it at join(), so callers and CUDA graph capture (the side stream joins the
+// capture through the first event) see one stream's order. Tensors the side stream reads are
+// the caller's stream's, alive until join(). One side stream per device, so that cuBLAS keeps
+// one workspace for it. Constructed with fork false, the work runs on the caller's stream.
+class SideBranch {
+ public:
+  explicit SideBranch(bool fork)
+      : main_(at::cuda::getCurrentCUDAStream()), side_(fork ? side_stream(main_.device_index()) : main_) {
+    if (side_ == main_) return;
+    forked_.record(main_);
+    forked_.block(side_);
+  }
+  SideBranch(const SideBranch&) = delete;
+  SideBranch& operator=(const SideBranch&) = delete;
+  // An exception between fork and join must still leave the side stream inside the caller's
+  // order; an error from the join itself is dropped there, the first exception is the one
+  // that reaches the caller.
+  ~SideBranch() {
+    if (side_ == main_ || joined_.isCreated()) return;
+    try {
+      join();
+    } catch (...) {
+    }
+  }
+
+  template <typename F>
+  void run(F&& work) {
+    const c10::cuda::CUDAStreamGuard guard(side_);
+    work();
+  }
+
+  void join() {
+    if (side_ == main_) return;
+    joined_.record(side_);
+    joined_.block(main_);
+  }
+
+ private:
+  static at::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+    static std::mutex mutex;
+    static std::map<c10::DeviceIndex, at::cuda::CUDAStream> streams;
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto it = streams.find(device);
+    if (it == streams.end()) it = streams.emplace(device, at::cuda::getStreamFromPool(false, device)).first;
+    return it->second;
+  }
+
+  at::cuda::CUDAStream main_, side_;
+  at::cuda::CUDAEvent forked_, joined_;
+};
+
+// Whether a GEMM-route op's 1x1 shortcut GEMM over `positions` columns runs on a side stream
+// (SideBranch). On the H100, in half precision and in fp32 below 256 positions, cuBLAS's
+// GEMMs leave enough of the GPU idle that the overlap took 1-6 µs off nine residual blocks
+// in ten (one lost 2.5 µs); in fp32 from 256 positions on, its SIMT GEMMs fill the GPU, and
+// the overlap stretched the first conv's GEMM by up to 8 µs as often as it saved time
+// (`python scripts/profile_gemm_route.py --side-stream`, BENCHMARKS.md).
+bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions) {
+  return use_side_stream.load() && (dtype != at::kFloat || positions < 256);
+}
+
 // The input's channels from x's on come from skip (a concatenation read in place).
 void read_skip_in_place(StreamArgs& a, const at::Tensor& x, const at::Tensor& skip) {
   a.x2 = skip.data_ptr();
@@ -2422,8 +2488,12 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     const at::Tensor cols = im2col(c.a, x, false);
     const at::Tensor centre = cols.as_strided({p.in_channels, c.a.positions},
                                               {p.kernel_size * c.a.positions, 1}, c.a.pad * c.a.positions);
+    SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), c.a.positions));
+    shortcut.run([&] {
+      launch_conv_epilogue(cs, at::mm(cs.weight.reshape({cs.a.m, cs.a.red}), centre).contiguous(), false);
+    });
     launch_group_norm_epilogue(c, at::mm(c.weight.reshape({c.a.m, c.a.red}), cols).contiguous());
-    launch_conv_epilogue(cs, at::mm(cs.weight.reshape({cs.a.m, cs.a.red}), centre).contiguous(), false);
+    shortcut.join();
     return {c.out, cs.out};
   }
   std::vector<at::Tensor> operands = c.operands();
@@ -2470,31 +2540,36 @@ at::Tensor residual_block_cuda(
                                   /*with_output=*/false);
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
   const at::Tensor cols = im2col(first.a, x, false);
-  const at::Tensor pre = at::mm(first.weight.reshape({first.a.m, first.a.red}), cols).contiguous();
-  // The second conv's input exists only as its im2col columns, transposed (GemmEpilogueIo).
-  const at::Tensor cols2 = at::empty({first.a.positions, r.second.in_channels * r.second.kernel_size},
-                                     x.options());
-  launch_group_norm_epilogue(first, pre, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(),
-                                                        static_cast<int>(r.second.kernel_size)});
   GemmEpilogueIo io{};
   std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
+  std::optional<SideBranch> shortcut;
   if (r.has_shortcut) {
     // The 1x1 shortcut's columns are the first conv's centre-tap rows (conv1d_gn_mish_shortcut).
     const at::Tensor centre = cols.as_strided({p.in_channels, first.a.positions},
                                               {p.kernel_size * first.a.positions, 1},
                                               first.a.pad * first.a.positions);
-    shortcut_pre = at::mm(shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels}), centre)
-                       .contiguous();
+    const at::Tensor shortcut_w = shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels});
+    shortcut_pre = at::empty({p.out_channels, first.a.positions}, x.options());
+    shortcut.emplace(shortcut_on_side_stream(x.scalar_type(), first.a.positions));
+    shortcut->run([&] { at::mm_out(*shortcut_pre, shortcut_w, centre); });
     shortcut_bias_c = contiguous_or_none(shortcut_bias);
     io.residual_pre = shortcut_pre->data_ptr();
     io.residual_bias = optional_data(shortcut_bias_c);
   } else {
     identity = skip.has_value() ? at::cat({x, *skip}, 1) : x;
   }
+  const at::Tensor pre = at::mm(first.weight.reshape({first.a.m, first.a.red}), cols).contiguous();
+  // The second conv's input exists only as its im2col columns, transposed (GemmEpilogueIo).
+  const at::Tensor cols2 = at::empty({first.a.positions, r.second.in_channels * r.second.kernel_size},
+                                     x.options());
+  launch_group_norm_epilogue(first, pre, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(),
+                                                        static_cast<int>(r.second.kernel_size)});
   GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity);
   second.a.x = nullptr;  // its input is cols2
-  launch_group_norm_epilogue(
-      second, at::mm(second.weight.reshape({second.a.m, second.a.red}), cols2.t()).contiguous(), io);
+  const at::Tensor pre2 =
+      at::mm(second.weight.reshape({second.a.m, second.a.red}), cols2.t()).contiguous();
+  if (shortcut) shortcut->join();
+  launch_group_norm_epilogue(second, pre2, io);
   return second.out;
 }
 

@@ -66,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
   m.def("set_clusters", [](bool enabled) { return dpa::use_clusters.exchange(enabled); },
         "Sets whether streaming convs may run as thread-block clusters; returns the old setting.");
+  m.def("set_side_stream", [](bool enabled) { return dpa::use_side_stream.exchange(enabled); },
+        "Sets whether GEMM-route ops run a 1x1 shortcut's GEMM on a side stream; returns the old setting.");
   m.def("set_program_options", [](int options) {
     constexpr int kAll = dpa::kProgramRelaxedPoll | dpa::kProgramNoPrefetch;
     TORCH_CHECK_VALUE((options & ~kAll) == 0, "set_program_options: options must be a mask of bits ",

@@ -69,6 +69,17 @@ def set_clusters(enabled: bool) -> bool:
     return bool(_C.set_clusters(bool(enabled)))
 
 
+def set_side_stream(enabled: bool) -> bool:
+    """Whether the GEMM route (batch x length >= gemm_path_min_positions()) of
+    conv1d_gn_mish_shortcut and residual_block may run the 1x1 shortcut's GEMM on a side
+    stream, forked from and joined back into the caller's stream, so that it overlaps the
+    GroupNorm convs' GEMMs; a CUDA graph keeps the two as parallel branches. It does in half
+    precision, and in fp32 below 256 positions (batch x length), where that measured faster.
+    On by default; returns the previous setting. Process-wide, read when a kernel is launched
+    or a graph captured; meant for measuring what it buys."""
+    return bool(_C.set_side_stream(bool(enabled)))
+
+
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    num_groups: int, eps: float = 1e-5, *, film: Optional[torch.Tensor] = None,

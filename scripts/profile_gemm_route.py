@@ -6,10 +6,14 @@ profiler, 5 forwards averaged, not graphed: FiLM's Linear and Mish kernels show 
 hoisted out of GraphedSampler's loop). --by-shape adds the profiler's per-op table grouped
 by input shapes. --split-k instead times every GroupNorm conv's GEMM at batch 8 and 64 in
 one cuBLAS call against a strided batched GEMM over S slices of K with fp32 partials (S =
-2..16), each in a CUDA graph of enough weight copies to overflow L2.
+2..16), each in a CUDA graph of enough weight copies to overflow L2. --side-stream instead
+times every residual block with a 1x1 shortcut (ops.residual_block) and each U-Net's forward
+at batch 8 and 64, CUDA-graphed, with the shortcut's GEMM on a side stream and without
+(ops.set_side_stream), interleaved on, off, on.
 
     python scripts/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/profile_gemm_route.py --split-k
+    python scripts/profile_gemm_route.py --side-stream
 """
 import argparse
 from collections import defaultdict
@@ -18,7 +22,7 @@ import torch
 from bench_conv_blocks import UNETS as WIDTHS, distinct_block_shapes, graph_time_ms, weight_copies
 from benchmark import HORIZON, UNETS
 
-from diffusion_policy_accelerated import ConditionalUnet1D
+from diffusion_policy_accelerated import ConditionalUnet1D, ops
 
 SPLITS = (2, 4, 8, 16)
 
@@ -57,6 +61,55 @@ def split_k_table():
                           + "".join(f" {1e3 * t:7.1f}" for t in row) + err, flush=True)
 
 
+def residual_block_args(cin, cout, k, groups, dtype):
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+
+    return dict(weight=randn(cout, cin, k, scale=(cin * k) ** -0.5), bias=randn(cout), gn_weight=randn(cout),
+                gn_bias=randn(cout), weight2=randn(cout, cout, k, scale=(cout * k) ** -0.5), bias2=randn(cout),
+                gn_weight2=randn(cout), gn_bias2=randn(cout), num_groups=groups, eps=1e-5,
+                shortcut_weight=randn(cout, cin, 1, scale=cin ** -0.5), shortcut_bias=randn(cout))
+
+
+def side_stream_table():
+    """us per call with the shortcut's GEMM on a side stream and on the caller's stream."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    previous = ops.set_side_stream(True)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            print(f"== {dtype}: us per call, side stream on / off / on")
+            for unet, dims in WIDTHS.items():
+                for cin, cout, length, k, groups in distinct_block_shapes(dims):
+                    if cin == cout:
+                        continue
+                    weight_bytes = (cin * cout * (k + 1) + cout * cout * k) * dtype.itemsize
+                    copies = weight_copies(weight_bytes)
+                    blocks = [residual_block_args(cin, cout, k, groups, dtype) for _ in range(copies)]
+                    for batch in (8, 64):
+                        x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
+                        row = []
+                        for enabled in (True, False, True):
+                            ops.set_side_stream(enabled)
+                            row.append(graph_time_ms(lambda i: ops.residual_block(x, **blocks[i]), copies))
+                        print(f"{unet[:8]:8} B{batch:<3} {cin:5}->{cout:<5} L{length:<3}"
+                              + " / ".join(f"{1e3 * t:7.1f}" for t in row), flush=True)
+                for batch in (8, 64):
+                    model = ConditionalUnet1D(**UNETS[unet.split()[0]]).cuda().eval().to(dtype)
+                    sample = torch.randn(batch, HORIZON, 2, device="cuda", dtype=dtype)
+                    cond = torch.randn(batch, UNETS[unet.split()[0]]["global_cond_dim"], device="cuda", dtype=dtype)
+                    timestep = torch.full((batch,), 10, device="cuda")
+                    row = []
+                    with torch.inference_mode():
+                        for enabled in (True, False, True):
+                            ops.set_side_stream(enabled)
+                            row.append(graph_time_ms(lambda i: model(sample, timestep, global_cond=cond), 1,
+                                                     replays=100))
+                    print(f"{unet[:8]:8} B{batch:<3} whole forward   "
+                          + " / ".join(f"{1e3 * t:7.1f}" for t in row), flush=True)
+    finally:
+        ops.set_side_stream(previous)
+
+
 def kernel_breakdown(batch, dtype, by_shape, forwards=5):
     for name in ("lowdim", "image"):
         unet = ConditionalUnet1D(**UNETS[name]).cuda().eval().to(dtype)
@@ -93,8 +146,12 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--by-shape", action="store_true", help="also the per-op table by input shapes")
     parser.add_argument("--split-k", action="store_true", help="time the GEMMs split over K instead")
+    parser.add_argument("--side-stream", action="store_true",
+                        help="time the shortcut blocks and forwards with and without the side stream instead")
     args = parser.parse_args()
-    if args.split_k:
+    if args.side_stream:
+        side_stream_table()
+    elif args.split_k:
         split_k_table()
     else:
         kernel_breakdown(args.batch, getattr(torch, args.dtype), args.by_shape)

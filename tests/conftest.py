@@ -69,3 +69,22 @@ def assert_one_cluster_launch(run):
         blocks = ops._C.stop_launch_trace()
     assert len(blocks) == 1, "one launch"
     assert (buffer[:blocks[0], 8] > 0).all(), "a block did not finish a unit: not a cluster kernel"
+
+
+def run_behind_a_sleep(run, inputs):
+    """run(*copies of inputs) on a fresh stream, the copies written there after a long sleep,
+    and its outputs cloned on that stream right after it: an op that forks work to a stream of
+    its own must start it after what the caller's stream queued, and make the caller's stream
+    wait for it, or it reads the copies, or the clones read its outputs, before they are
+    written. Returns the clones as a tuple."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        copies = [torch.full_like(t, float("nan")) for t in inputs]
+        torch.cuda._sleep(100_000_000)
+        for copy, t in zip(copies, inputs):
+            copy.copy_(t)
+        outputs = run(*copies)
+        outputs = tuple(o.clone() for o in (outputs if isinstance(outputs, tuple) else (outputs,)))
+    stream.synchronize()
+    return outputs

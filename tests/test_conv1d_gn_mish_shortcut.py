@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
-                      clusters_enabled, poison_allocator)
+                      clusters_enabled, poison_allocator, run_behind_a_sleep)
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 
 # (batch, in_channels, out_channels, length, kernel_size, groups) of the residual blocks that
@@ -176,6 +176,32 @@ def test_both_cuda_routes(route, threshold, dtype):
             check(shape, dtype, "cuda", skip_from=shape[1] // 2)
     finally:
         ops.set_gemm_path_min_positions(default)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(64, 256, 512, 8, 5, 8), (33, 12, 20, 3, 3, 2)], ids=str)
+def test_ordered_on_the_callers_stream(shape, dtype):
+    """On the GEMM route the shortcut's GEMM and epilogue run on a side stream (in half
+    precision, and in fp32 below 256 positions), overlapping the GroupNorm conv's: they must
+    wait for what the caller's stream queued, and the caller's stream for them."""
+    default = ops.set_gemm_path_min_positions(1)
+    try:
+        g = torch.Generator().manual_seed(12)
+        groups = shape[5]
+        x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+        ws, bs = make_shortcut(shape, dtype, "cuda", g)
+        film, _ = film_and_residual(shape, dtype, "cuda", g, "scale+bias")
+        for side_stream in (True, False):
+            ops.set_side_stream(side_stream)
+            out, short = run_behind_a_sleep(
+                lambda x: ops.conv1d_gn_mish_shortcut(x, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film), [x])
+            torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film),
+                                       **TOLERANCES[dtype])
+            torch.testing.assert_close(short.cpu().double(), shortcut_reference(x, ws, bs), **TOLERANCES[dtype])
+    finally:
+        ops.set_gemm_path_min_positions(default)
+        ops.set_side_stream(True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

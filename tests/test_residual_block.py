@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_policy_accelerated import ops
-from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator
+from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator, run_behind_a_sleep
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 from test_conv1d_gn_mish_shortcut import shortcut_reference, split_input
 
@@ -190,6 +190,26 @@ def test_cuda_graph_replay(route, threshold):
             torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[torch.float32])
     finally:
         ops.set_gemm_path_min_positions(default)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ordered_on_the_callers_stream(dtype):
+    """On the GEMM route the shortcut's GEMM runs on a side stream (in half precision, and in
+    fp32 below 256 positions), overlapping the first conv's: it must wait for what the
+    caller's stream queued, and the caller's stream for it."""
+    default = ops.set_gemm_path_min_positions(1)
+    try:
+        g = torch.Generator().manual_seed(11)
+        for shape in [(64, 256, 512, 8, 5, 8), (33, 12, 20, 3, 3, 2)]:
+            args = make_block(shape, dtype, "cuda", g)
+            for side_stream in (True, False):
+                ops.set_side_stream(side_stream)
+                (out,) = run_behind_a_sleep(lambda x: ops.residual_block(**{**args, "x": x}), [args["x"]])
+                torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[dtype])
+    finally:
+        ops.set_gemm_path_min_positions(default)
+        ops.set_side_stream(True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
