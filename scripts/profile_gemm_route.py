@@ -9,11 +9,15 @@ one cuBLAS call against a strided batched GEMM over S slices of K with fp32 part
 2..16), each in a CUDA graph of enough weight copies to overflow L2. --side-stream instead
 times every residual block with a 1x1 shortcut (ops.residual_block) and each U-Net's forward
 at batch 8 and 64, CUDA-graphed, with the shortcut's GEMM on a side stream and without
-(ops.set_side_stream), interleaved on, off, on.
+(ops.set_side_stream), interleaved on, off, on. --libraries instead times every GroupNorm
+conv's GEMM of the lowdim U-Net at batch 64 in bf16 through cuBLAS (what the ops call),
+cuBLASLt and torch.compile's max-autotune (Triton templates and ATen, the fastest kept;
+autotuning takes ~10-40 s a shape).
 
     python scripts/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/profile_gemm_route.py --split-k
     python scripts/profile_gemm_route.py --side-stream
+    python scripts/profile_gemm_route.py --libraries
 """
 import argparse
 from collections import defaultdict
@@ -59,6 +63,34 @@ def split_k_table():
                         err = f"  err {((got - ref).abs().max() / ref.abs().max()).item():.1e}"
                     print(f"{unet[:8]:8} {batch:3} {M:5} {N:5} {K:6}"
                           + "".join(f" {1e3 * t:7.1f}" for t in row) + err, flush=True)
+
+
+def gemm_libraries_table(batch=64, dtype=torch.bfloat16):
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch._inductor.config.max_autotune_gemm_backends = "TRITON,ATEN"
+    print(f"== {dtype}, batch {batch}: GEMM [M, K] x [K, N] us: cuBLAS / cuBLASLt / max-autotune")
+    library = torch.backends.cuda.preferred_blas_library()
+    try:
+        for cin, cout, length, k, _ in distinct_block_shapes(WIDTHS["lowdim [256,512,1024]"]):
+            M, K, N = cout, cin * k, batch * length
+            copies = weight_copies(M * K * dtype.itemsize)
+            ws = [torch.randn(M, K, device="cuda", dtype=dtype) for _ in range(copies)]
+            cols = torch.randn(K, N, device="cuda", dtype=dtype)
+            row = []
+            for blas in ("cublas", "cublaslt"):
+                torch.backends.cuda.preferred_blas_library(blas)
+                row.append(graph_time_ms(lambda i: torch.mm(ws[i], cols), copies))
+            torch.backends.cuda.preferred_blas_library(library)
+            torch._dynamo.reset()  # one compiled GEMM per shape, never a recompilation
+            tuned = torch.compile(lambda w, c: torch.mm(w, c), mode="max-autotune-no-cudagraphs", dynamic=False)
+            tuned(ws[0], cols)
+            row.append(graph_time_ms(lambda i: tuned(ws[i], cols), copies))
+            print(f"{M:5} {N:5} {K:6}  " + " / ".join(f"{1e3 * t:6.1f}" for t in row), flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(library)
 
 
 def residual_block_args(cin, cout, k, groups, dtype):
@@ -148,8 +180,12 @@ def main():
     parser.add_argument("--split-k", action="store_true", help="time the GEMMs split over K instead")
     parser.add_argument("--side-stream", action="store_true",
                         help="time the shortcut blocks and forwards with and without the side stream instead")
+    parser.add_argument("--libraries", action="store_true",
+                        help="time the lowdim GEMMs through cuBLAS, cuBLASLt and max-autotune instead")
     args = parser.parse_args()
-    if args.side_stream:
+    if args.libraries:
+        gemm_libraries_table()
+    elif args.side_stream:
         side_stream_table()
     elif args.split_k:
         split_k_table()
