@@ -2443,9 +2443,10 @@ class SideBranch {
 
 // Whether a GEMM-route op's 1x1 shortcut GEMM over `positions` columns runs on a side stream
 // (SideBranch). On the H100, in half precision and in fp32 below 256 positions, cuBLAS's
-// GEMMs leave enough of the GPU idle that the overlap took 1-6 µs off nine residual blocks
-// in ten (one lost 2.5 µs); in fp32 from 256 positions on, its SIMT GEMMs fill the GPU, and
-// the overlap stretched the first conv's GEMM by up to 8 µs as often as it saved time
+// GEMMs leave enough of the GPU idle that the overlap took 0.9-12 µs off 25 of the 30 U-Net
+// blocks measured there, left 4 within 0.2 µs and lengthened one by 2.5 µs. In fp32 from
+// 256 positions on, its SIMT GEMMs fill the GPU, and the overlap lengthened blocks by up to
+// 8 µs about as often as it shortened them
 // (`python scripts/profile_gemm_route.py --side-stream`, BENCHMARKS.md).
 bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions) {
   return use_side_stream.load() && (dtype != at::kFloat || positions < 256);
