@@ -2392,12 +2392,12 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
 // The side stream starts after what the caller's stream has queued, and the caller's stream
 // waits for it at join(), so callers and CUDA graph capture (the side stream joins the
 // capture through the first event) see one stream's order. Tensors the side stream reads are
-// the caller's stream's, alive until join(). One side stream per device, so that cuBLAS keeps
-// one workspace for it. Constructed with fork false, the work runs on the caller's stream.
+// the caller's stream's, alive until join(). Constructed with fork false, the work runs on
+// the caller's stream.
 class SideBranch {
  public:
   explicit SideBranch(bool fork)
-      : main_(at::cuda::getCurrentCUDAStream()), side_(fork ? side_stream(main_.device_index()) : main_) {
+      : main_(at::cuda::getCurrentCUDAStream()), side_(fork ? side_stream(main_) : main_) {
     if (side_ == main_) return;
     forked_.record(main_);
     forked_.block(side_);
@@ -2428,12 +2428,23 @@ class SideBranch {
   }
 
  private:
-  static at::cuda::CUDAStream side_stream(c10::DeviceIndex device) {
+  // One side stream per caller's stream, not per device: two captures under way at once on
+  // two streams (two threads, each with its own model copy) that shared one would merge, an
+  // error. A side stream is kept for the process's life, as PyTorch's pool streams are, and
+  // reused each time, so that cuBLAS keeps one workspace for it; callers use a handful of
+  // streams (torch.cuda.Stream() hands out one of 32 per device).
+  static at::cuda::CUDAStream side_stream(const at::cuda::CUDAStream& main) {
     static std::mutex mutex;
-    static std::map<c10::DeviceIndex, at::cuda::CUDAStream> streams;
+    static std::map<std::pair<c10::DeviceIndex, c10::StreamId>, at::cuda::CUDAStream> streams;
     const std::lock_guard<std::mutex> lock(mutex);
-    auto it = streams.find(device);
-    if (it == streams.end()) it = streams.emplace(device, at::cuda::getStreamFromPool(false, device)).first;
+    const auto key = std::make_pair(main.device_index(), main.id());
+    auto it = streams.find(key);
+    if (it == streams.end()) {
+      const c10::cuda::CUDAGuard guard(main.device_index());
+      cudaStream_t created = nullptr;
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+      it = streams.emplace(key, c10::cuda::getStreamFromExternal(created, main.device_index())).first;
+    }
     return it->second;
   }
 

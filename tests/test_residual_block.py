@@ -6,6 +6,8 @@ Tolerances are conv1d_gn_mish's per dtype (test_conv1d_gn_mish). The reference r
 the op rounds between its convs (the first conv's output, the shortcut's) to the dtype, so
 that it measures each conv's arithmetic, as the single-op tests do."""
 
+import threading
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -210,6 +212,53 @@ def test_ordered_on_the_callers_stream(dtype):
     finally:
         ops.set_gemm_path_min_positions(default)
         ops.set_side_stream(True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captures_on_two_threads_at_once():
+    """Two threads capturing at the same time, each on its own stream (a server with a model
+    copy per stream): each caller's stream forks to a side stream of its own, where a shared
+    one would merge the two captures, a CUDA error. The threads meet at each step so that
+    both captures are under way while the op runs, and no thread synchronizes the device
+    (torch.cuda.graph does, so the lower-level capture calls) while the other captures."""
+    default = ops.set_gemm_path_min_positions(1)
+    try:
+        g = torch.Generator().manual_seed(13)
+        blocks = [make_block((8, 64, 128, 4, 5, 8), torch.bfloat16, "cuda", g) for _ in range(2)]
+        step = threading.Barrier(2, timeout=60)
+        graphs, outputs, errors = [None, None], [None, None], []
+
+        def capture(i):
+            try:
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    ops.residual_block(**blocks[i])  # warm-up: this thread's cuBLAS handle
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    step.wait()
+                    graph.capture_begin(capture_error_mode="thread_local")
+                    step.wait()
+                    out = ops.residual_block(**blocks[i])
+                    step.wait()
+                    graph.capture_end()
+                    step.wait()
+                    graph.replay()
+                    stream.synchronize()
+                graphs[i], outputs[i] = graph, out  # the graph's pool holds out
+            except Exception as error:  # reported by the main thread
+                errors.append(error)
+                step.abort()
+
+        threads = [threading.Thread(target=capture, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        for args, out in zip(blocks, outputs):
+            torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[torch.bfloat16])
+    finally:
+        ops.set_gemm_path_min_positions(default)
 
 
 @pytest.mark.parametrize("device", DEVICES)
