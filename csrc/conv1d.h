@@ -17,8 +17,9 @@
 //                   input (x, or x and skip) with FiLM, then conv1d_gn_mish of that with the
 //                   residual added, the residual being the input or its 1x1 shortcut conv.
 //                   Where the convs take the CUDA GEMM route, the first conv's epilogue writes
-//                   the second's im2col columns and the second's epilogue adds the shortcut's
-//                   GEMM result: the im2col and shortcut-epilogue launches between them go.
+//                   the second's GEMM operand (im2col columns, or for a taps-major weight2 its
+//                   output channels-last) and the second's epilogue adds the shortcut's GEMM
+//                   result: the im2col and shortcut-epilogue launches between them go.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -33,7 +33,9 @@
 // recorded sequence of these problems as the stages of one persistent launch (experimental:
 // StreamProgram, slower than one launch per conv today, BENCHMARKS.md). Beyond ~32 positions
 // each weight feeds enough outputs that im2col + cuBLAS wins; the epilogue is then one more
-// launch (group_norm_epilogue_kernel, conv_epilogue_kernel).
+// launch (group_norm_epilogue_kernel, conv_epilogue_kernel). A weight stored taps-major
+// (ops.taps_major, as ConditionalUnet1D passes them there) is multiplied as rows (output
+// channel, tap) with x itself, and the epilogue adds each output's taps (GemmForm).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAException.h>
@@ -376,6 +378,50 @@ struct GemmPre {
   const void* bias;
   __device__ float operator()(int c, int n) const {
     return static_cast<float>(p[c * stride + n]) + (bias ? load_float<T>(bias, c) : 0.f);
+  }
+};
+
+// One output's sum over taps k = 0..taps-1, in tap order, of rows[index(k)] (index < 0: the
+// tap adds nothing), from a GEMM result whose rows are (channel, tap). The loads go out in
+// batches, unrolled, before any add, so that a batch costs one memory round trip: an add
+// waiting on each tap's load in turn made the GroupNorm epilogue ~2.5 µs a launch slower.
+// kTaps > 0: exactly that many taps, in one batch.
+template <int kTaps, typename P, typename Index>
+__device__ __forceinline__ float sum_tap_rows(const P* rows, int taps, const Index& index) {
+  constexpr int kBatch = kTaps > 0 ? kTaps : 8;
+  const int count = kTaps > 0 ? kTaps : taps;
+  float v = 0.f;
+  for (int k0 = 0; k0 < count; k0 += kBatch) {
+    float t[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t at = k0 + i < count ? index(k0 + i) : -1;
+      t[i] = at >= 0 ? static_cast<float>(rows[at]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) v += t[i];
+  }
+  return v;
+}
+
+// The GEMM route's pre-activations where the weight's taps are GEMM rows (a taps-major
+// weight, GemmForm::kTapRows; stride 1, "same" padding, as every GroupNorm conv): z is
+// [C_out * K, B * L] in fp32, row c * K + k holding tap k's products at every input
+// position. An output adds up its taps' rows, shifted, then the bias. kTaps: K where it is
+// compiled in (0: any), so that the U-Nets' kernel sizes unroll completely.
+template <typename T, int kTaps>
+struct TapRowsPre {
+  const float* z;
+  int64_t positions;
+  const void* bias;
+  int taps, pad, length;
+  __device__ float operator()(int c, int n) const {
+    const int l = n % length, K = kTaps > 0 ? kTaps : taps;
+    const float v = sum_tap_rows<kTaps>(z, K, [&](int k) -> int64_t {
+      const int at = l + k - pad;
+      return at >= 0 && at < length ? static_cast<int64_t>(c * K + k) * positions + n + k - pad : -1;
+    });
+    return v + (bias ? load_float<T>(bias, c) : 0.f);
   }
 };
 
@@ -1417,7 +1463,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 }
 
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
-// pre: [C_out, B * L] (the GEMM's layout), pre-activations without the bias. A group of up to
+// pre(c, b * L + l): the pre-activations, read from the GEMM's result (GemmPre,
+// TapRowsPre). A group of up to
 // kHeldPerThread * kThreads elements (every U-Net group of horizon 16) is read once into
 // registers, with its epilogue inputs, and both statistics passes run on the registers: the
 // two re-reads of normalize_group were dependent L2 round trips, on a kernel that is all
@@ -1430,7 +1477,8 @@ constexpr int kHeldPerThread = 4;
 // residual is a 1x1 shortcut's GEMM result [C_out, positions] (plus residual_bias), rounded
 // to T as the separate ops store the shortcut's output. cols: the output is written as the
 // next conv's im2col columns, transposed: cols[b * L + l][c * taps + k] =
-// out[b, c, l + k - taps / 2] (zeros outside), where an im2col launch would have read it.
+// out[b, c, l + k - taps / 2] (zeros outside), where an im2col launch would have read it;
+// with taps 1 (a next conv whose taps are GEMM rows) that is the output channels-last.
 // Transposed because a block holds one (batch row, group): in this layout its columns are L
 // runs of cpg * taps consecutive elements, stored coalesced; in im2col's
 // [c * taps + k][positions] they were runs of L, and those scattered stores cost more than
@@ -1448,16 +1496,14 @@ bool group_held(int64_t channels_per_group, int64_t length) {
   return channels_per_group * length <= kHeldPerThread * kThreads;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    group_norm_epilogue_kernel(const StreamArgs a, const T* pre_data, const GemmEpilogueIo io) {
+template <typename T, typename Pre>
+__device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io) {
   __shared__ float scratch[kWarps];
   __shared__ float2 stats[1];
   __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
   const int64_t positions = static_cast<int64_t>(a.batch) * L;
-  const GemmPre<T> pre{pre_data, positions, a.bias};
   if (count > kHeldPerThread * kThreads) {
     return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
   }
@@ -1525,26 +1571,52 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
-// [m, positions] result, written as [B, C_out, L_out]. A transposed conv's result has a row
-// per (output channel, tap) and a column per input position; each output position adds up
-// the taps that land on it (col2im), in tap order. The host keeps every index below 2^31.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const T* pre,
-                                                                 bool transposed) {
+__global__ void __launch_bounds__(kThreads)
+    group_norm_epilogue_kernel(const StreamArgs a, const T* result, const GemmEpilogueIo io) {
+  group_norm_epilogue<T>(a, GemmPre<T>{result, static_cast<int64_t>(a.batch) * a.lout, a.bias}, io);
+}
+
+// Here the functor is a kernel parameter: built in the kernel from a (as GemmPre is, which
+// is faster so), a batch 64 half-precision step took ~2% longer on an H100.
+template <typename T, int kTaps>
+__global__ void __launch_bounds__(kThreads)
+    tap_rows_group_norm_epilogue_kernel(const StreamArgs a, const TapRowsPre<T, kTaps> pre,
+                                        const GemmEpilogueIo io) {
+  group_norm_epilogue<T>(a, pre, io);
+}
+
+// What the rows of a GEMM-route conv's result are. kIm2col: output channels (the weight as
+// [C_out, C_in * K] times im2col's columns), in x's dtype. kTapRows: (output channel, tap),
+// c * K + k, over every input position, in fp32 (a taps-major Conv1d weight times x itself);
+// kTransposed: the same for a transposed conv (its weight read transposed in place). Where
+// taps are rows, each output adds up the taps that land on it (col2im), in tap order.
+enum class GemmForm { kIm2col, kTapRows, kTransposed };
+
+// The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
+// result (GemmForm), written as [B, C_out, L_out]. The host keeps every index below 2^31.
+template <typename T, typename P>
+__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const P* pre,
+                                                                 GemmForm form) {
   const int i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= a.batch * a.cout * a.lout) return;
   const int row = i / a.lout, o = i - row * a.lout, b = row / a.cout, c = row - b * a.cout;
-  float v = a.bias ? load_float<T>(a.bias, c) : 0.f;
-  if (transposed) {
-    for (int k = 0; k < a.ksize; ++k) {
-      const int t = o + a.pad - k, in = t / a.stride;
-      if (t >= 0 && in * a.stride == t && in < a.lin)
-        v += static_cast<float>(pre[(c * a.ksize + k) * a.positions + b * a.lin + in]);
-    }
+  float v;
+  if (form == GemmForm::kIm2col) {
+    v = static_cast<float>(pre[c * a.positions + b * a.lout + o]);
   } else {
-    v += static_cast<float>(pre[c * a.positions + b * a.lout + o]);
+    v = sum_tap_rows<0>(pre, a.ksize, [&](int k) -> int64_t {
+      int in;  // the input position whose tap k lands on output o
+      if (form == GemmForm::kTapRows) {
+        in = o * a.stride + k - a.pad;
+      } else {
+        const int t = o + a.pad - k;
+        in = t >= 0 && t % a.stride == 0 ? t / a.stride : -1;
+      }
+      return in >= 0 && in < a.lin ? (c * a.ksize + k) * a.positions + b * a.lin + in : -1;
+    });
   }
+  if (a.bias) v += load_float<T>(a.bias, c);
   if (a.residual) v += load_float<T>(a.residual, i);
   static_cast<T*>(a.out)[i] = static_cast<T>(v);
 }
@@ -2217,9 +2289,37 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
   launch_streaming(la.pair_kernel, grid, 0, shared_bytes, a, b, static_cast<int>(la.grid.x));
 }
 
-// The GEMM route's B operand: [red, positions] (StreamArgs' GEMM view).
-at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, bool transposed) {
-  const Im2col cut = transposed ? Im2col{1, a.lin, 1, 0} : Im2col{a.ksize, a.lout, a.stride, a.pad};
+// Whether a Conv1d weight [C_out, C_in, K] (K > 1) is stored taps-major, [C_out][K][C_in] in
+// memory (ops.taps_major): then its rows c * K + k are a GEMM operand as it is, and the GEMM
+// route multiplies them with x itself (GemmForm::kTapRows) instead of with im2col's K times
+// larger columns. On an H100 at batch 8 and 64 that GEMM, [C_out * K, C_in] x [C_in, B * L],
+// has K times the output tiles and a K times shorter reduction, and cuBLAS runs the U-Nets'
+// half-precision ones 10-45% faster than [C_out, C_in * K] x [C_in * K, B * L]
+// (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md).
+bool taps_major(const at::Tensor& weight) {
+  const int64_t cin = weight.size(1), taps = weight.size(2);
+  return taps > 1 && weight.stride(0) == cin * taps && weight.stride(1) == 1 && weight.stride(2) == cin;
+}
+
+// The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
+// view of its weight (the same but for kTapRows, which the streaming kernels do not read).
+GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route) {
+  if (p.transposed) return GemmForm::kTransposed;
+  return gemm_route && taps_major(weight) ? GemmForm::kTapRows : GemmForm::kIm2col;
+}
+
+// StreamArgs' GEMM view [m, red] x [red, positions] of the form.
+void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form) {
+  const bool tap_rows = form != GemmForm::kIm2col;
+  a.m = static_cast<int>(p.out_channels * (tap_rows ? p.kernel_size : 1));
+  a.red = static_cast<int>(p.in_channels * (tap_rows ? 1 : p.kernel_size));
+  a.positions = static_cast<int>(p.batch * (tap_rows ? p.in_length : p.out_length));
+}
+
+// The GEMM route's B operand [red, positions]: im2col's columns, or, where taps are rows, x
+// itself as [C_in, B * L_in].
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+  const Im2col cut = form == GemmForm::kIm2col ? Im2col{a.ksize, a.lout, a.stride, a.pad} : Im2col{1, a.lin, 1, 0};
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
   const dim3 grid(ceil_div(a.positions, kThreads), std::min(ceil_div(a.red, kIm2colRowsPerThread), 65535));
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
@@ -2230,16 +2330,33 @@ at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, bool transposed) {
   return cols;
 }
 
-// im2col + one cuBLAS GEMM over every position: the [m, positions] result without the bias,
-// which the epilogue adds, in x's dtype (tensor cores for fp16 / bf16; fp32 follows
-// torch.backends.cuda.matmul.allow_tf32, off by default).
-at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight,
-                        bool transposed) {
-  const at::Tensor cols = im2col(a, x, transposed);
-  // A transposed conv's weight [C_in, C_out * K] is the GEMM's transposed operand (cuBLAS
-  // reads it in place).
-  return at::mm(transposed ? weight.reshape({a.red, a.m}).t() : weight.reshape({a.m, a.red}), cols)
-      .contiguous();
+// One cuBLAS GEMM over every position (tensor cores for fp16 / bf16; fp32 follows
+// torch.backends.cuda.matmul.allow_tf32, off by default): the [m, positions] result without
+// the bias, which the epilogue adds. The weight is read in place (a transposed conv's
+// [C_in, C_out * K] as the transposed operand). Where taps are rows the result is fp32: an
+// output adds up K of its elements, and each one's rounding to half precision would add an
+// error of its own.
+at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
+  at::Tensor rows;
+  switch (form) {
+    case GemmForm::kIm2col: rows = weight.reshape({a.m, a.red}); break;
+    case GemmForm::kTapRows: rows = weight.as_strided({a.m, a.red}, {a.red, 1}); break;
+    case GemmForm::kTransposed: rows = weight.reshape({a.red, a.m}).t(); break;
+  }
+  if (form == GemmForm::kIm2col || cols.scalar_type() == at::kFloat) return at::mm(rows, cols).contiguous();
+  return at::mm(rows, cols, at::kFloat).contiguous();
+}
+
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form) {
+  return gemm(a, weight, im2col(a, x, form), form);
+}
+
+// x as the columns of a 1x1 conv's GEMM, [C_in, positions], within a conv's columns: all of
+// them where the conv's taps are rows, else the centre tap's rows (tap k = pad reads
+// x[b, c, l]), so that one im2col serves a residual block's first conv and its shortcut.
+at::Tensor centre_columns(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
+  if (form == GemmForm::kTapRows) return cols;
+  return cols.as_strided({a.red / a.ksize, a.positions}, {a.ksize * a.positions, 1}, a.pad * a.positions);
 }
 
 // A conv1d_gn_mish call's operands, made contiguous (and kept alive here until the launch is
@@ -2265,9 +2382,10 @@ GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Ten
                         const std::optional<at::Tensor>& gn_weight,
                         const std::optional<at::Tensor>& gn_bias, double eps,
                         const std::optional<at::Tensor>& film,
-                        const std::optional<at::Tensor>& residual, bool with_output = true) {
+                        const std::optional<at::Tensor>& residual, GemmForm form,
+                        bool with_output = true) {
   GnMishCall c;
-  c.weight = weight.contiguous();
+  c.weight = form == GemmForm::kTapRows ? weight : weight.contiguous();
   c.bias = contiguous_or_none(bias);
   c.gn_weight = contiguous_or_none(gn_weight);
   c.gn_bias = contiguous_or_none(gn_bias);
@@ -2281,9 +2399,7 @@ GnMishCall gn_mish_call(const ConvProblem& p, const at::Tensor& x, const at::Ten
   c.a.film = optional_data(c.film);
   c.a.film_sb = c.film.has_value() ? c.film->stride(0) : 0;
   c.a.eps = static_cast<float>(eps);
-  c.a.positions = static_cast<int>(p.batch * p.out_length);
-  c.a.m = c.a.cout;
-  c.a.red = static_cast<int>(p.in_channels * p.kernel_size);
+  set_gemm_view(c.a, p, form);
   c.a.unit_rows = static_cast<int>(p.out_channels / p.groups);
   return c;
 }
@@ -2297,16 +2413,15 @@ struct ConvCall {
 };
 
 ConvCall conv_call(const ConvProblem& p, const at::Tensor& x, const at::Tensor& weight,
-                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual) {
+                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                   GemmForm form) {
   ConvCall c;
-  c.weight = weight.contiguous();
+  c.weight = form == GemmForm::kTapRows ? weight : weight.contiguous();
   c.bias = contiguous_or_none(bias);
   c.residual = contiguous_or_none(residual);
   c.out = at::empty({p.batch, p.out_channels, p.out_length}, x.options());
   c.a = common_args(p, x, c.weight, c.bias, c.out, c.residual);
-  c.a.positions = static_cast<int>(p.batch * (p.transposed ? p.in_length : p.out_length));
-  c.a.m = static_cast<int>(p.transposed ? p.out_channels * p.kernel_size : p.out_channels);
-  c.a.red = static_cast<int>(p.transposed ? p.in_channels : p.in_channels * p.kernel_size);
+  set_gemm_view(c.a, p, form);
   return c;
 }
 
@@ -2314,30 +2429,50 @@ int* counters_data(const std::optional<at::Tensor>& counters) {
   return counters.has_value() ? counters->data_ptr<int>() : nullptr;
 }
 
-void launch_group_norm_epilogue(const GnMishCall& c, const at::Tensor& pre,
+// pre: gemm()'s result of the form.
+void launch_group_norm_epilogue(const GnMishCall& c, const at::Tensor& pre, GemmForm form,
                                 const GemmEpilogueIo& io = {}) {
-  DPA_DISPATCH_FLOAT_TYPES(pre.scalar_type(), "conv1d_gn_mish", [&] {
-    group_norm_epilogue_kernel<scalar_t>
-        <<<static_cast<unsigned>(c.a.batch * c.a.groups), kThreads, 0,
-           at::cuda::getCurrentCUDAStream()>>>(c.a, pre.data_ptr<scalar_t>(), io);
+  const dim3 grid(c.a.batch * c.a.groups);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  DPA_DISPATCH_FLOAT_TYPES(c.weight.scalar_type(), "conv1d_gn_mish", [&] {
+    if (form != GemmForm::kTapRows) {
+      group_norm_epilogue_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(c.a, pre.data_ptr<scalar_t>(), io);
+    } else {
+      const auto launch = [&](auto taps) {
+        const TapRowsPre<scalar_t, decltype(taps)::value> rows{pre.data_ptr<float>(), c.a.positions, c.a.bias,
+                                                               c.a.ksize, c.a.pad, c.a.lout};
+        tap_rows_group_norm_epilogue_kernel<<<grid, kThreads, 0, stream>>>(c.a, rows, io);
+      };
+      // Diffusion Policy's kernel sizes compiled in.
+      if (c.a.ksize == 5) {
+        launch(std::integral_constant<int, 5>{});
+      } else if (c.a.ksize == 3) {
+        launch(std::integral_constant<int, 3>{});
+      } else {
+        launch(std::integral_constant<int, 0>{});
+      }
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
-void launch_conv_epilogue(const ConvCall& c, const at::Tensor& pre, bool transposed) {
-  DPA_DISPATCH_FLOAT_TYPES(pre.scalar_type(), "conv1d", [&] {
-    conv_epilogue_kernel<scalar_t><<<ceil_div(c.out.numel(), kThreads), kThreads, 0,
-                                     at::cuda::getCurrentCUDAStream()>>>(
-        c.a, pre.data_ptr<scalar_t>(), transposed);
+void launch_conv_epilogue(const ConvCall& c, const at::Tensor& pre, GemmForm form) {
+  const int blocks = ceil_div(c.out.numel(), kThreads);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  DPA_DISPATCH_FLOAT_TYPES(c.weight.scalar_type(), "conv1d", [&] {
+    if (form == GemmForm::kIm2col) {
+      conv_epilogue_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(c.a, pre.data_ptr<scalar_t>(), form);
+    } else {
+      conv_epilogue_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(c.a, pre.data_ptr<float>(), form);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
-// conv_epilogue_kernel indexes in 32 bits.
+// conv_epilogue_kernel indexes in 32 bits (every form's GEMM view counted).
 bool conv_epilogue_fits(const ConvProblem& p) {
-  const int64_t positions = p.batch * (p.transposed ? p.in_length : p.out_length);
-  const int64_t gemm_rows = p.transposed ? p.out_channels * p.kernel_size : p.out_channels;
-  return std::max({p.batch * p.out_channels * p.out_length, gemm_rows * positions,
+  const int64_t gemm_elements = p.out_channels * p.kernel_size * p.batch * std::max(p.in_length, p.out_length);
+  return std::max({p.batch * p.out_channels * p.out_length, gemm_elements,
                    p.batch * p.in_channels * p.in_length}) <= std::numeric_limits<int>::max();
 }
 
@@ -2351,10 +2486,12 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
                                                   eps, film, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
-  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual);
-  if (c.a.positions >= gemm_path_min_positions.load()) {
+  const bool gemm_route = p.batch * p.out_length >= gemm_path_min_positions.load();
+  const GemmForm form = gemm_form(p, weight, gemm_route);
+  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual, form);
+  if (gemm_route) {
     note_gemm_route("conv1d_gn_mish");
-    launch_group_norm_epilogue(c, conv_as_gemm(c.a, x, c.weight, false));
+    launch_group_norm_epilogue(c, conv_as_gemm(c.a, x, c.weight, form), form);
     return c.out;
   }
   run_streaming(c.a, p, x, c.weight, counters_data(counters), c.operands());
@@ -2372,8 +2509,9 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   if (positions >= gemm_path_min_positions.load()) {
     note_gemm_route("conv1d");
     if (conv_epilogue_fits(p)) {
-      ConvCall c = conv_call(p, x, weight, bias, residual);
-      launch_conv_epilogue(c, conv_as_gemm(c.a, x, c.weight, transposed), transposed);
+      const GemmForm form = gemm_form(p, weight, true);
+      ConvCall c = conv_call(p, x, weight, bias, residual, form);
+      launch_conv_epilogue(c, conv_as_gemm(c.a, x, c.weight, form), form);
       return c.out;
     }
     // Past 32-bit indices, cuDNN's convolution.
@@ -2382,7 +2520,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
     if (residual.has_value()) out.add_(*residual);
     return out.contiguous();
   }
-  ConvCall c = conv_call(p, x, weight, bias, residual);
+  ConvCall c = conv_call(p, x, weight, bias, residual, gemm_form(p, weight, false));
   run_streaming(c.a, p, x, c.weight, counters_data(counters), c.operands());
   return c.out;
 }
@@ -2487,24 +2625,22 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     return {conv1d_gn_mish_cuda(input, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none),
             conv1d_cuda(input, shortcut_weight, shortcut_bias, 1, 0, false, none, none)};
   }
-  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt);
-  ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt);
+  const GemmForm form = gemm_form(p, weight, gemm_route);
+  GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, std::nullopt, form);
+  ConvCall cs = conv_call(ps, x, shortcut_weight, shortcut_bias, std::nullopt, GemmForm::kIm2col);
   if (skip.has_value()) {
     read_skip_in_place(c.a, x, *skip);
     read_skip_in_place(cs.a, x, *skip);
   }
   if (gemm_route) {
     note_gemm_route("conv1d_gn_mish_shortcut");
-    // The 1x1 shortcut's columns are the GroupNorm conv's centre-tap rows (tap k = pad reads
-    // x[b, c, l]): one im2col serves both GEMMs.
-    const at::Tensor cols = im2col(c.a, x, false);
-    const at::Tensor centre = cols.as_strided({p.in_channels, c.a.positions},
-                                              {p.kernel_size * c.a.positions, 1}, c.a.pad * c.a.positions);
-    SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), c.a.positions));
+    const at::Tensor cols = im2col(c.a, x, form);
+    const at::Tensor centre = centre_columns(c.a, cols, form);
+    SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), cs.a.positions));
     shortcut.run([&] {
-      launch_conv_epilogue(cs, at::mm(cs.weight.reshape({cs.a.m, cs.a.red}), centre).contiguous(), false);
+      launch_conv_epilogue(cs, gemm(cs.a, cs.weight, centre, GemmForm::kIm2col), GemmForm::kIm2col);
     });
-    launch_group_norm_epilogue(c, at::mm(c.weight.reshape({c.a.m, c.a.red}), cols).contiguous());
+    launch_group_norm_epilogue(c, gemm(c.a, c.weight, cols, form), form);
     shortcut.join();
     return {c.out, cs.out};
   }
@@ -2548,21 +2684,20 @@ at::Tensor residual_block_cuda(
                                residual, counters);
   }
   note_gemm_route("residual_block");
-  GnMishCall first = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, none,
+  const GemmForm form = gemm_form(p, weight, true), form2 = gemm_form(r.second, weight2, true);
+  const int64_t positions = p.batch * p.out_length;
+  GnMishCall first = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, none, form,
                                   /*with_output=*/false);
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
-  const at::Tensor cols = im2col(first.a, x, false);
+  const at::Tensor cols = im2col(first.a, x, form);
   GemmEpilogueIo io{};
   std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
   std::optional<SideBranch> shortcut;
   if (r.has_shortcut) {
-    // The 1x1 shortcut's columns are the first conv's centre-tap rows (conv1d_gn_mish_shortcut).
-    const at::Tensor centre = cols.as_strided({p.in_channels, first.a.positions},
-                                              {p.kernel_size * first.a.positions, 1},
-                                              first.a.pad * first.a.positions);
+    const at::Tensor centre = centre_columns(first.a, cols, form);
     const at::Tensor shortcut_w = shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels});
-    shortcut_pre = at::empty({p.out_channels, first.a.positions}, x.options());
-    shortcut.emplace(shortcut_on_side_stream(x.scalar_type(), first.a.positions));
+    shortcut_pre = at::empty({p.out_channels, positions}, x.options());
+    shortcut.emplace(shortcut_on_side_stream(x.scalar_type(), positions));
     shortcut->run([&] { at::mm_out(*shortcut_pre, shortcut_w, centre); });
     shortcut_bias_c = contiguous_or_none(shortcut_bias);
     io.residual_pre = shortcut_pre->data_ptr();
@@ -2570,18 +2705,17 @@ at::Tensor residual_block_cuda(
   } else {
     identity = skip.has_value() ? at::cat({x, *skip}, 1) : x;
   }
-  const at::Tensor pre = at::mm(first.weight.reshape({first.a.m, first.a.red}), cols).contiguous();
-  // The second conv's input exists only as its im2col columns, transposed (GemmEpilogueIo).
-  const at::Tensor cols2 = at::empty({first.a.positions, r.second.in_channels * r.second.kernel_size},
-                                     x.options());
-  launch_group_norm_epilogue(first, pre, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(),
-                                                        static_cast<int>(r.second.kernel_size)});
-  GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity);
+  const at::Tensor pre = gemm(first.a, first.weight, cols, form);
+  // The second conv's input exists only as its GEMM columns, transposed (GemmEpilogueIo):
+  // im2col's, or where its taps are rows, the first conv's output channels-last.
+  const int taps2 = form2 == GemmForm::kTapRows ? 1 : static_cast<int>(r.second.kernel_size);
+  const at::Tensor cols2 = at::empty({positions, r.second.in_channels * taps2}, x.options());
+  launch_group_norm_epilogue(first, pre, form, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(), taps2});
+  GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity, form2);
   second.a.x = nullptr;  // its input is cols2
-  const at::Tensor pre2 =
-      at::mm(second.weight.reshape({second.a.m, second.a.red}), cols2.t()).contiguous();
+  const at::Tensor pre2 = gemm(second.a, second.weight, cols2.t(), form2);
   if (shortcut) shortcut->join();
-  launch_group_norm_epilogue(second, pre2, io);
+  launch_group_norm_epilogue(second, pre2, form2, io);
   return second.out;
 }
 

@@ -110,6 +110,44 @@ def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
     return out if residual is None else out + residual
 
 
+def _on_gemm_route(x: torch.Tensor) -> bool:
+    """Whether a conv of x that keeps its length takes the CUDA ops' im2col + cuBLAS route."""
+    return x.is_cuda and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions()
+
+
+# Input channels from which a conv's weight is read taps-major on the GEMM route: at 2 input
+# channels (the U-Nets' first conv) the GEMM over C_in alone was slower on an H100 (batch 64,
+# bf16: 5.6 against 3.3 µs), from 256 on faster (`python scripts/profile_gemm_route.py
+# --taps-as-rows`, BENCHMARKS.md).
+_TAPS_MAJOR_MIN_IN_CHANNELS = 64
+
+
+def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major (ops.taps_major) where the
+    conv takes the GEMM route in half precision with at least _TAPS_MAJOR_MIN_IN_CHANNELS
+    input channels; else the weight itself. In fp32, cuBLAS's GEMMs over C_in (SIMT, no
+    tensor cores) made an H100's steps 4-9% slower at batch 64 and image's at batch 8
+    (BENCHMARKS.md).
+
+    The copy is made once and kept on `owner` until the weight changes: another tensor, or
+    an in-place update, which bumps its version (weights made under torch.inference_mode
+    have none: update those by replacing them). It holds on to the weight it copied, so that
+    a new weight cannot reuse its address. The cost is a second copy of these weights in
+    memory, made only by models run at GEMM-route batch sizes."""
+    weight = conv.weight
+    if (weight.dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
+            or conv.in_channels < _TAPS_MAJOR_MIN_IN_CHANNELS or not _on_gemm_route(x)):
+        return weight
+    version = None if weight.is_inference() else weight._version
+    cached = owner.__dict__.get("_taps_major_weight")
+    if (cached is None or cached[0].data_ptr() != weight.data_ptr() or cached[0].dtype != weight.dtype
+            or cached[1] != version):
+        source = weight.detach()
+        cached = (source, version, _ops().taps_major(source))
+        owner._taps_major_weight = cached
+    return cached[2]
+
+
 @contextlib.contextmanager
 def recording_program(program) -> Iterator[None]:
     """Within this context the fused ops on this thread add stages to `program` (an
@@ -254,7 +292,7 @@ class Conv1dBlock(nn.Module):
                residual: Optional[torch.Tensor]) -> torch.Tensor:
         if self._can_fuse(x, film, residual):
             conv, norm = self.block[0], self.block[1]
-            return _ops().conv1d_gn_mish(x, conv.weight, conv.bias, norm.weight, norm.bias,
+            return _ops().conv1d_gn_mish(x, _gemm_route_weight(self, conv, x), conv.bias, norm.weight, norm.bias,
                                          norm.num_groups, norm.eps, film=film, residual=residual,
                                          counters=_counters_for(self, x))
         out = self.block(x)
@@ -304,7 +342,8 @@ class ConditionalResidualBlock1D(nn.Module):
             conv, norm, conv2, norm2 = first.block[0], first.block[1], second.block[0], second.block[1]
             shortcut = None if isinstance(self.residual_conv, nn.Identity) else self.residual_conv
             return _ops().residual_block(
-                x, conv.weight, conv.bias, norm.weight, norm.bias, conv2.weight, conv2.bias,
+                x, _gemm_route_weight(first, conv, x), conv.bias, norm.weight, norm.bias,
+                _gemm_route_weight(second, conv2, x), conv2.bias,
                 norm2.weight, norm2.bias, norm.num_groups, norm.eps,
                 None if shortcut is None else shortcut.weight, None if shortcut is None else shortcut.bias,
                 film=film, counters=_counters_for(first, x), skip=skip)
@@ -321,8 +360,7 @@ class ConditionalResidualBlock1D(nn.Module):
         its convs run as im2col + cuBLAS. Elsewhere each conv is one launch already, and the
         per-conv ops keep per-layer profiling and StreamProgram recording as they are."""
         # The route first: it is false at batch 1, where the per-conv checks then run only once.
-        if not (x.is_cuda and _fused_device_ok(x.device)
-                and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions()):
+        if not (x.is_cuda and _fused_device_ok(x.device) and _on_gemm_route(x)):
             return False
         first, second = self.blocks
         norm, norm2 = first.block[1], second.block[1]

@@ -80,6 +80,21 @@ def set_side_stream(enabled: bool) -> bool:
     return bool(_C.set_side_stream(bool(enabled)))
 
 
+def taps_major(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a Conv1d weight [C_out, C_in, K] stored taps-major: the same shape and
+    values, [C_out][K][C_in] in memory (strides (C_in * K, 1, C_in)).
+
+    The conv ops take weights of any strides. Given this layout, their CUDA route for
+    batch x length >= gemm_path_min_positions() multiplies the weight's rows (output
+    channel, tap) with the input itself, where a contiguous weight needs the input's K times
+    larger im2col columns; on an H100 cuBLAS runs that GEMM shape faster too. Below that
+    size the ops' weight-streaming kernels read contiguous weights only, and copy any other
+    layout on every call: keep the contiguous weight for them. ConditionalUnet1D makes and
+    keeps such copies itself where its convs take the GEMM route.
+    """
+    return weight.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    gn_weight: Optional[torch.Tensor], gn_bias: Optional[torch.Tensor],
                    num_groups: int, eps: float = 1e-5, *, film: Optional[torch.Tensor] = None,
@@ -158,9 +173,10 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     with x = torch.cat((x, skip), dim=1) when `skip` is given (read in place). Both
     GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
     (CUDA, batch x length >= gemm_path_min_positions()), the first conv's epilogue writes
-    the second conv's im2col columns and the second's epilogue adds the shortcut's GEMM
-    result, saving one launch per block, two with a shortcut; elsewhere the op runs the
-    separate ops. `counters`: int32 zeros, at least out_channels of them,
+    the second conv's GEMM operand (its im2col columns, or with a taps-major `weight2`,
+    see `taps_major`, its output channels-last) and the second's epilogue adds the
+    shortcut's GEMM result, saving one launch per block, two with a shortcut; elsewhere the
+    op runs the separate ops. `counters`: int32 zeros, at least out_channels of them,
     twice that with a shortcut (see `conv1d`).
     """
     return torch.ops.dpa.residual_block(x, weight, bias, gn_weight, gn_bias, weight2, bias2,

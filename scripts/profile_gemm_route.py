@@ -12,12 +12,16 @@ at batch 8 and 64, CUDA-graphed, with the shortcut's GEMM on a side stream and w
 (ops.set_side_stream), interleaved on, off, on. --libraries instead times every GroupNorm
 conv's GEMM of the lowdim U-Net at batch 64 in bf16 through cuBLAS (what the ops call),
 cuBLASLt and torch.compile's max-autotune (Triton templates and ATen, the fastest kept;
-autotuning takes ~10-40 s a shape).
+autotuning takes ~10-40 s a shape). --taps-as-rows instead times every GroupNorm conv's GEMM
+at batch 8 and 64 as im2col builds it against the GEMM of a taps-major weight
+(ops.taps_major) with x itself, in both orientations, with results in x's dtype and in
+fp32.
 
     python scripts/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/profile_gemm_route.py --split-k
     python scripts/profile_gemm_route.py --side-stream
     python scripts/profile_gemm_route.py --libraries
+    python scripts/profile_gemm_route.py --taps-as-rows
 """
 import argparse
 from collections import defaultdict
@@ -91,6 +95,36 @@ def gemm_libraries_table(batch=64, dtype=torch.bfloat16):
             print(f"{M:5} {N:5} {K:6}  " + " / ".join(f"{1e3 * t:6.1f}" for t in row), flush=True)
     finally:
         torch.backends.cuda.preferred_blas_library(library)
+
+
+def taps_as_rows_table():
+    """A k-tap conv's GEMM as im2col builds it, [M, cin*k] x [cin*k, N], against the taps as
+    rows of the weight, [k*M, cin] x [cin, N] (each output position then adds up its k taps'
+    rows, shifted, in the epilogue), and that GEMM with the input channels-last, [N, cin] x
+    [cin, k*M]; bf16 with bf16 and with fp32 results."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float32):
+        outs = (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
+        print(f"== {dtype}: us per GEMM: im2col [M,K*cin]x[K*cin,N] | taps as rows [K*M,cin]x[cin,N]"
+              f" | channels-last [N,cin]x[cin,K*M]; " + " / ".join(f"{str(o)[6:]} out" for o in outs))
+        for unet, dims in WIDTHS.items():
+            for cin, cout, length, k, _ in distinct_block_shapes(dims):
+                for batch in (8, 64):
+                    M, N = cout, batch * length
+                    copies = weight_copies(M * cin * k * dtype.itemsize)
+                    ws = [torch.randn(M, cin * k, device="cuda", dtype=dtype) for _ in range(copies)]
+                    cols = torch.randn(cin * k, N, device="cuda", dtype=dtype)
+                    x = torch.randn(cin, N, device="cuda", dtype=dtype)
+                    x_last = torch.randn(N, cin, device="cuda", dtype=dtype)
+                    row = [graph_time_ms(lambda i: torch.mm(ws[i], cols), copies)]
+                    for out in outs:
+                        kw = {} if out == dtype else dict(out_dtype=out)
+                        row.append(graph_time_ms(lambda i: torch.mm(ws[i].view(k * M, cin), x, **kw), copies))
+                        row.append(graph_time_ms(lambda i: torch.mm(x_last, ws[i].view(k * M, cin).t(), **kw),
+                                                 copies))
+                    print(f"{unet[:8]:8} B{batch:<3} {cin:5}->{cout:<5} L{length:<3} {row[0] * 1e3:7.1f} | "
+                          + " | ".join(f"{a * 1e3:7.1f} {b * 1e3:7.1f}" for a, b in zip(row[1::2], row[2::2])),
+                          flush=True)
 
 
 def residual_block_args(cin, cout, k, groups, dtype):
@@ -182,8 +216,12 @@ def main():
                         help="time the shortcut blocks and forwards with and without the side stream instead")
     parser.add_argument("--libraries", action="store_true",
                         help="time the lowdim GEMMs through cuBLAS, cuBLASLt and max-autotune instead")
+    parser.add_argument("--taps-as-rows", action="store_true",
+                        help="time the GroupNorm convs' GEMMs with the taps as weight rows instead")
     args = parser.parse_args()
-    if args.libraries:
+    if args.taps_as_rows:
+        taps_as_rows_table()
+    elif args.libraries:
         gemm_libraries_table()
     elif args.side_stream:
         side_stream_table()

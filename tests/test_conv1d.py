@@ -70,10 +70,12 @@ def reference(x, w, b, stride, padding, transposed, residual=None):
     return out if residual is None else out + d(residual)
 
 
-def check(shape, dtype, device, seed=0, with_residual=True):
+def check(shape, dtype, device, seed=0, with_residual=True, taps_major=False):
     g = torch.Generator().manual_seed(seed)
     x, w, b = make_inputs(shape, dtype, device, g)
     _, _, _, _, _, stride, padding, transposed = shape
+    if taps_major:
+        w = ops.taps_major(w)
     expected_shape = reference(x, w, b, stride, padding, transposed).shape
     residual = torch.randn(expected_shape, generator=g).to(device, dtype) if with_residual else None
     poison_allocator(device, expected_shape.numel(), dtype)
@@ -97,6 +99,21 @@ def test_matches_float64_reference(shape, dtype, device):
 @pytest.mark.parametrize("shape", BATCH64_SHAPES, ids=str)
 def test_batch_64(shape, dtype, device):
     check(shape, dtype, device)
+
+
+# Conv1d weights stored taps-major (ops.taps_major): the CUDA GEMM route multiplies their rows
+# (output channel, tap) with x at every input position and gathers each output's taps, with
+# any stride and padding; elsewhere the weight is read through a contiguous copy. The U-Net's
+# downsampling at batch 64, then odd ones (batch x output length 32, 35 and 27).
+TAPS_MAJOR_SHAPES = [(64, 512, 512, 8, 3, 2, 1, False), (8, 64, 32, 9, 4, 3, 2, False),
+                     (5, 4, 3, 6, 2, 1, 1, False), (3, 7, 5, 13, 5, 1, 0, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", TAPS_MAJOR_SHAPES, ids=str)
+def test_taps_major_weight(shape, dtype, device):
+    check(shape, dtype, device, taps_major=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

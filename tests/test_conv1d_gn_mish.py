@@ -62,9 +62,11 @@ def make_inputs(shape, dtype, device, generator):
     return x, w, rand(cout, scale=0.1), 1 + rand(cout, scale=0.1), rand(cout, scale=0.1)
 
 
-def check(shape, dtype, device, seed=0):
+def check(shape, dtype, device, seed=0, taps_major=False):
     g = torch.Generator().manual_seed(seed)
     x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
+    if taps_major:
+        w = ops.taps_major(w)
     batch, _, cout, length, _, groups = shape
     poison_allocator(device, batch * cout * length, dtype)
     out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups)
@@ -92,6 +94,26 @@ def test_batch_64(shape, device):
     if device == "cpu" and cpu_cost(shape) > 2e9:
         shape = (64, shape[1] // 4, shape[2] // 4) + shape[3:]  # keep CI's 2-core run short
     check(shape, torch.float32, device)
+
+
+# Weights stored taps-major (ops.taps_major): the CUDA GEMM route multiplies their rows
+# (output channel, tap) with x itself; the streaming route and the CPU read a contiguous copy.
+# U-Net layers at batch 8 and 64, then odd ones on both CUDA routes (batch x length 20 < 32).
+TAPS_MAJOR_SHAPES = [(64, 256, 256, 16, 5, 8), (8, 1024, 512, 8, 5, 8), (3, 33, 40, 17, 5, 5),
+                     (2, 5, 64, 64, 7, 16), (1, 16, 32, 20, 9, 8), (11, 64, 8, 3, 3, 8), (2, 8, 16, 200, 3, 2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", TAPS_MAJOR_SHAPES, ids=str)
+def test_taps_major_weight(shape, dtype, device):
+    check(shape, dtype, device, taps_major=True)
+
+
+def test_taps_major_keeps_shape_and_values():
+    w = torch.randn(6, 4, 3)
+    t = ops.taps_major(w)
+    assert t.shape == w.shape and t.stride() == (12, 1, 4) and torch.equal(t, w)
 
 
 @pytest.mark.parametrize("device", DEVICES)

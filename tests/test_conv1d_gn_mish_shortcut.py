@@ -46,9 +46,11 @@ def split_input(x, skip_from):
 
 
 def check(shape, dtype, device, film_layout="scale+bias", shortcut_channels=None, counters=None,
-          shortcut=None, seed=0, skip_from=None):
+          shortcut=None, seed=0, skip_from=None, taps_major=False):
     g = torch.Generator().manual_seed(seed)
     x, w, b, gamma, beta = make_inputs(shape, dtype, device, g)
+    if taps_major:
+        w = ops.taps_major(w)
     ws, bs = make_shortcut(shape, dtype, device, g, shortcut_channels) if shortcut is None else shortcut
     film, _ = film_and_residual(shape, dtype, device, g, film_layout)
     batch, _, cout, length, _, groups = shape
@@ -85,6 +87,16 @@ SKIP_CASES = [((1, 2048, 512, 4, 5, 8), 1024), ((1, 1024, 256, 8, 5, 8), 512),
 @pytest.mark.parametrize("shape,skip_from", SKIP_CASES, ids=str)
 def test_skip_is_read_as_the_concatenation(shape, skip_from, dtype, device):
     check(shape, dtype, device, skip_from=skip_from)
+
+
+# A taps-major first weight (ops.taps_major): on the CUDA GEMM route the shortcut's GEMM then
+# reads x's columns as they are, not the centre tap's rows of im2col's.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,skip_from", [((64, 256, 512, 8, 5, 8), None), ((8, 2048, 512, 4, 5, 8), 1024),
+                                             ((3, 33, 40, 17, 7, 5), 32), ((1, 33, 40, 5, 7, 5), None)], ids=str)
+def test_taps_major_weight(shape, skip_from, dtype, device):
+    check(shape, dtype, device, skip_from=skip_from, taps_major=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

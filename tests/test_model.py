@@ -463,6 +463,39 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
     assert counted_ops["residual_blocks"] - before == expected
 
 
+@needs_cuda
+@pytest.mark.gpu
+def test_gemm_route_weight_copies_follow_the_weights():
+    """On the GEMM route in half precision the model passes taps-major copies of its conv
+    weights (ops.taps_major), kept between calls: an in-place update of the weights and a new
+    dtype must reach them. A stale copy would be off by O(1); fused against plain PyTorch in
+    the same dtype differ by about each one's rounding error (TOLS)."""
+    _, unet = pair("default")
+    unet = unet.to("cuda", torch.bfloat16)
+    sample = torch.randn(64, 16, 2, device="cuda")
+    cond = torch.randn(64, DEFAULT_CFG["global_cond_dim"], device="cuda")
+
+    def fused_against_plain(dtype):
+        with torch.no_grad():
+            fused = unet(sample.to(dtype), 5, global_cond=cond.to(dtype))
+            unet.use_fused_ops = False
+            plain = unet(sample.to(dtype), 5, global_cond=cond.to(dtype))
+            unet.use_fused_ops = True
+        return rel_err(fused, plain)
+
+    fused_against_plain(torch.bfloat16)
+    copies = [m._taps_major_weight[2] for m in unet.modules() if "_taps_major_weight" in m.__dict__]
+    assert copies and all(w.stride(1) == 1 and w.dtype == torch.bfloat16 for w in copies)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if name.endswith("block.0.weight"):
+                p.mul_(-0.5)
+    assert fused_against_plain(torch.bfloat16) < 2 * TOLS[torch.bfloat16]
+    with torch.inference_mode():  # inference tensors have no version counter
+        unet = unet.to(torch.float16)
+    assert fused_against_plain(torch.float16) < 2 * TOLS[torch.float16]
+
+
 def test_conv1d_block_shapes_lists_every_fused_call():
     from diffusion_policy_accelerated.model import conv1d_block_shapes
     with torch.device("meta"):
