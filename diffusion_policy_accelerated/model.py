@@ -117,8 +117,8 @@ def _on_gemm_route(x: torch.Tensor) -> bool:
 
 # Input channels from which a conv's weight is read taps-major on the GEMM route: at 2 input
 # channels (the U-Nets' first conv) the GEMM over C_in alone was slower on an H100 (batch 64,
-# bf16: 5.6 against 3.3 µs), from 256 on faster (`python scripts/profile_gemm_route.py
-# --taps-as-rows`, BENCHMARKS.md).
+# bf16: 6.0 against 3.3 µs), from 256 on it was faster for 32 of 36 convs
+# (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md).
 _TAPS_MAJOR_MIN_IN_CHANNELS = 64
 
 

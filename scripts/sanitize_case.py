@@ -4,7 +4,7 @@ blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, stri
 transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv streamed through
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
-the ops (residual blocks included), denoise steps, and a small U-Net's denoising loop with its forward as one
+the ops (residual blocks included, contiguous and taps-major weights), denoise steps, and a small U-Net's denoising loop with its forward as one
 persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
 
@@ -69,37 +69,41 @@ def main():
             w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=dtype)
             out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, counters=counters)
             assert torch.isfinite(out).all()
-    # The same convs, and GroupNorm convs, on the im2col + GEMM route (bias, FiLM, residual).
+    # The same convs, and GroupNorm convs, on the im2col + GEMM route (bias, FiLM, residual),
+    # with contiguous and with taps-major weights (ops.taps_major: the GEMM over x itself).
     default = ops.set_gemm_path_min_positions(1)
-    for batch, cin, cout, length, k, stride, padding, transposed in conv_shapes:
-        x = torch.randn(batch, cin, length, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=torch.bfloat16)
-        out = ops.conv1d(x, w, torch.randn(cout, device="cuda", dtype=torch.bfloat16), stride, padding,
-                         transposed=transposed)
-        out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, residual=out)
-        assert torch.isfinite(out).all()
-    for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (2, 9, 24, 1, 5, 24), (5, 64, 256, 8, 5, 8),
-                                                 (2, 8, 16, 200, 3, 2)]:
-        x = torch.randn(batch, cin, length, device="cuda")
-        w = torch.randn(cout, cin, k, device="cuda")
-        out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,
-                                 film=torch.randn(batch, 2 * cout, device="cuda"),
-                                 residual=torch.randn(batch, cout, length, device="cuda"))
-        assert torch.isfinite(out).all()
-    # Residual blocks on that route: the first conv's epilogue writes the second's im2col
-    # columns (kernel sizes 1, 3, 5; length 1), the second's adds a shortcut's GEMM result or
-    # the input (here read from a skip concatenation).
-    for batch, cin, cout, length, k, skip_channels in [(3, 7, 6, 3, 3, 0), (2, 24, 24, 1, 5, 0),
-                                                       (5, 64, 32, 8, 5, 32), (4, 16, 16, 5, 1, 9)]:
-        x = torch.randn(batch, cin - skip_channels, length, device="cuda", dtype=torch.bfloat16)
-        skip = torch.randn(batch, skip_channels, length, device="cuda", dtype=torch.bfloat16) if skip_channels else None
-        weights = [torch.randn(cout, cin, k, device="cuda", dtype=torch.bfloat16),
-                   torch.randn(cout, cout, k, device="cuda", dtype=torch.bfloat16)]
-        shortcut = (torch.randn(cout, cin, 1, device="cuda", dtype=torch.bfloat16) if cin != cout else None)
-        out = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
-                                 shortcut, None, film=torch.randn(batch, cout, device="cuda", dtype=torch.bfloat16),
-                                 skip=skip)
-        assert torch.isfinite(out).all()
+    for layout in (lambda w: w, ops.taps_major):
+        for batch, cin, cout, length, k, stride, padding, transposed in conv_shapes:
+            x = torch.randn(batch, cin, length, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(*((cin, cout) if transposed else (cout, cin)), k, device="cuda", dtype=torch.bfloat16)
+            w = w if transposed else layout(w)
+            out = ops.conv1d(x, w, torch.randn(cout, device="cuda", dtype=torch.bfloat16), stride, padding,
+                             transposed=transposed)
+            out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, residual=out)
+            assert torch.isfinite(out).all()
+        for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (2, 9, 24, 1, 5, 24), (5, 64, 256, 8, 5, 8),
+                                                     (2, 8, 16, 200, 3, 2), (3, 16, 8, 4, 7, 4)]:
+            x = torch.randn(batch, cin, length, device="cuda")
+            w = layout(torch.randn(cout, cin, k, device="cuda"))
+            out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,
+                                     film=torch.randn(batch, 2 * cout, device="cuda"),
+                                     residual=torch.randn(batch, cout, length, device="cuda"))
+            assert torch.isfinite(out).all()
+        # Residual blocks on that route: the first conv's epilogue writes the second's GEMM
+        # operand (kernel sizes 1, 3, 5; length 1), the second's adds a shortcut's GEMM result
+        # or the input (here read from a skip concatenation).
+        for batch, cin, cout, length, k, skip_channels in [(3, 7, 6, 3, 3, 0), (2, 24, 24, 1, 5, 0),
+                                                           (5, 64, 32, 8, 5, 32), (4, 16, 16, 5, 1, 9)]:
+            x = torch.randn(batch, cin - skip_channels, length, device="cuda", dtype=torch.bfloat16)
+            skip = (torch.randn(batch, skip_channels, length, device="cuda", dtype=torch.bfloat16)
+                    if skip_channels else None)
+            weights = [layout(torch.randn(cout, cin, k, device="cuda", dtype=torch.bfloat16)),
+                       layout(torch.randn(cout, cout, k, device="cuda", dtype=torch.bfloat16))]
+            shortcut = (torch.randn(cout, cin, 1, device="cuda", dtype=torch.bfloat16) if cin != cout else None)
+            out = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
+                                     shortcut, None,
+                                     film=torch.randn(batch, cout, device="cuda", dtype=torch.bfloat16), skip=skip)
+            assert torch.isfinite(out).all()
     ops.set_gemm_path_min_positions(default)
     assert int(counters.abs().sum()) == 0
     from diffusers import DDPMScheduler
