@@ -123,11 +123,11 @@ _TAPS_MAJOR_MIN_IN_CHANNELS = 64
 
 
 def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-    """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major (ops.taps_major) where the
-    conv takes the GEMM route in half precision with at least _TAPS_MAJOR_MIN_IN_CHANNELS
-    input channels; else the weight itself. In fp32, cuBLAS's GEMMs over C_in (SIMT, no
-    tensor cores) made an H100's steps 4-9% slower at batch 64 and image's at batch 8
-    (BENCHMARKS.md).
+    """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major
+    (ops.taps_major) where the conv takes the GEMM route in half precision with at least
+    _TAPS_MAJOR_MIN_IN_CHANNELS input channels; else the weight itself. In fp32, cuBLAS's
+    GEMMs over C_in (SIMT, no tensor cores) made an H100's steps 4-9% slower at batch 64 and
+    the image U-Net's at batch 8 (the lowdim one's at batch 8 4% faster; BENCHMARKS.md).
 
     The copy is made once and kept on `owner` until the weight changes: another tensor, or
     an in-place update, which bumps its version (weights made under torch.inference_mode
@@ -292,9 +292,9 @@ class Conv1dBlock(nn.Module):
                residual: Optional[torch.Tensor]) -> torch.Tensor:
         if self._can_fuse(x, film, residual):
             conv, norm = self.block[0], self.block[1]
-            return _ops().conv1d_gn_mish(x, _gemm_route_weight(self, conv, x), conv.bias, norm.weight, norm.bias,
-                                         norm.num_groups, norm.eps, film=film, residual=residual,
-                                         counters=_counters_for(self, x))
+            return _ops().conv1d_gn_mish(x, _gemm_route_weight(self, conv, x), conv.bias, norm.weight,
+                                         norm.bias, norm.num_groups, norm.eps, film=film,
+                                         residual=residual, counters=_counters_for(self, x))
         out = self.block(x)
         if film is not None:
             out = _apply_film(out, film)
