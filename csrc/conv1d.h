@@ -96,10 +96,12 @@ ResidualBlockProblem check_residual_block_args(
 
 #ifdef DPA_WITH_CUDA
 // The CUDA implementation streams the weights through a split-K kernel while
-// batch * length (the conv's GEMM N) is below this, and uses im2col + cuBLAS from there on; adjustable (ops.set_gemm_path_min_positions) so the benchmark can
-// time both routes. 32: on an H100 at 32 positions the GEMM route is 1.3-3.2x faster on the
-// U-Nets' large layers (batch 8, length 4), the streaming kernel up to 1.4x on small ones
-// (batch 2, length 16); below 32 streaming wins everywhere (BENCHMARKS.md).
+// batch * length (the conv's GEMM N) is below this, and uses im2col + cuBLAS from there on
+// (a taps-major Conv1d weight, ops.taps_major, at any size); adjustable
+// (ops.set_gemm_path_min_positions) so the benchmark can time both routes. 32: on an H100 at
+// 32 positions the GEMM route is 1.3-3.2x faster on the U-Nets' large layers (batch 8,
+// length 4), the streaming kernel up to 1.4x on small ones (batch 2, length 16); below 32
+// streaming won everywhere against im2col's GEMM (BENCHMARKS.md).
 constexpr int64_t kDefaultGemmPathMinPositions = 32;
 extern std::atomic<int64_t> gemm_path_min_positions;
 // L2 eviction priority of the streamed weights: evict-first (default) keeps activations,

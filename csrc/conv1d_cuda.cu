@@ -2192,8 +2192,9 @@ int64_t* next_launch_trace(dim3 grid) {
 
 void note_gemm_route(const char* op) {
   if (recording) {
-    recording->fail(std::string(op) + " takes its im2col + cuBLAS route at batch x length >= " +
-                    std::to_string(gemm_path_min_positions.load()) + ", which a program does not run");
+    recording->fail(std::string(op) + " takes its im2col + cuBLAS route (batch x length >= " +
+                    std::to_string(gemm_path_min_positions.load()) +
+                    ", or a taps-major weight), which a program does not run");
   }
 }
 
@@ -2296,10 +2297,18 @@ void run_streaming_pair(StreamArgs& a, StreamArgs& b, const ConvProblem& pa, con
 // and a K times shorter reduction: on an H100 cuBLAS ran 32 of the U-Nets' 36 half-precision
 // GroupNorm convs of 256+ input channels at batch 8 and 64 faster so, by up to 43%, than as
 // [C_out, C_in * K] x [C_in * K, B * L], and 2 slower
-// (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md).
+// (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md). Such a weight
+// takes the GEMM route at any batch x length: its caller chose that layout for it, and the
+// streaming kernels would read a contiguous copy made on every call.
 bool taps_major(const at::Tensor& weight) {
   const int64_t cin = weight.size(1), taps = weight.size(2);
   return taps > 1 && weight.stride(0) == cin * taps && weight.stride(1) == 1 && weight.stride(2) == cin;
+}
+
+// Whether a Conv1d (or a GroupNorm conv) with this weight over `positions` (batch x output
+// length) takes the im2col + cuBLAS route.
+bool takes_gemm_route(int64_t positions, const at::Tensor& weight) {
+  return positions >= gemm_path_min_positions.load() || taps_major(weight);
 }
 
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
@@ -2487,7 +2496,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
                                                   eps, film, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool gemm_route = p.batch * p.out_length >= gemm_path_min_positions.load();
+  const bool gemm_route = takes_gemm_route(p.batch * p.out_length, weight);
   const GemmForm form = gemm_form(p, weight, gemm_route);
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual, form);
   if (gemm_route) {
@@ -2507,7 +2516,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
       check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
-  if (positions >= gemm_path_min_positions.load()) {
+  if (transposed ? positions >= gemm_path_min_positions.load() : takes_gemm_route(positions, weight)) {
     note_gemm_route("conv1d");
     if (conv_epilogue_fits(p)) {
       const GemmForm form = gemm_form(p, weight, true);
@@ -2619,7 +2628,7 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
       x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, film,
       counters, skip);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool gemm_route = p.batch * p.out_length >= gemm_path_min_positions.load();
+  const bool gemm_route = takes_gemm_route(p.batch * p.out_length, weight);
   if (gemm_route && !conv_epilogue_fits(ps)) {
     const std::optional<at::Tensor> none;
     const at::Tensor input = skip.has_value() ? at::cat({x, *skip}, 1) : x;
@@ -2666,7 +2675,8 @@ at::Tensor residual_block_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   const ConvProblem& p = r.first;
   const std::optional<at::Tensor> none;
-  const bool fused = p.batch * p.out_length >= gemm_path_min_positions.load() &&
+  const int64_t positions = p.batch * p.out_length;
+  const bool fused = takes_gemm_route(positions, weight) && takes_gemm_route(positions, weight2) &&
                      conv_epilogue_fits(p) && conv_epilogue_fits(r.second) &&
                      group_held(p.out_channels / p.groups, p.out_length);
   if (!fused) {
@@ -2686,7 +2696,6 @@ at::Tensor residual_block_cuda(
   }
   note_gemm_route("residual_block");
   const GemmForm form = gemm_form(p, weight, true), form2 = gemm_form(r.second, weight2, true);
-  const int64_t positions = p.batch * p.out_length;
   GnMishCall first = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, none, form,
                                   /*with_output=*/false);
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);

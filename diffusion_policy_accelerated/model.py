@@ -120,23 +120,39 @@ def _on_gemm_route(x: torch.Tensor) -> bool:
 # bf16: 6.0 against 3.3 µs), from 256 on it was faster for 32 of 36 convs
 # (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md).
 _TAPS_MAJOR_MIN_IN_CHANNELS = 64
+# Below the GEMM route's batch x length, a taps-major weight still takes it (the ops' rule)
+# from batch 2 and 8 positions on where C_in x C_out x positions reaches this: on an H100 in
+# bf16 the layers past it ran faster so than on the weight-streaming kernels (at batch 4,
+# length 4: lowdim 1024->1024 13.1 against 30.9 µs, image 2048->2048 27.5 against 91.9),
+# and those below it slower (`python scripts/bench_conv_blocks.py --sweep-paths --dtype
+# bfloat16 --batch 1 2 4 8`, BENCHMARKS.md). Batch 1 stays on the streaming kernels.
+_TAPS_MAJOR_MIN_WORK = 1 << 23
+
+
+def _taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
+    """Whether conv (stride 1, keeping x's length) is faster over x with a taps-major weight
+    on the ops' GEMM route. In fp32, cuBLAS's GEMMs over C_in (SIMT, no tensor cores) made an
+    H100's steps 4-9% slower at batch 64 and the image U-Net's at batch 8 (the lowdim one's at
+    batch 8 4% faster; BENCHMARKS.md)."""
+    if (conv.weight.dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
+            or conv.in_channels < _TAPS_MAJOR_MIN_IN_CHANNELS or not x.is_cuda):
+        return False
+    batch, positions = x.shape[0], x.shape[0] * x.shape[2]
+    return _on_gemm_route(x) or (batch >= 2 and positions >= 8 and
+                                 conv.in_channels * conv.out_channels * positions >= _TAPS_MAJOR_MIN_WORK)
 
 
 def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major
-    (ops.taps_major) where the conv takes the GEMM route in half precision with at least
-    _TAPS_MAJOR_MIN_IN_CHANNELS input channels; else the weight itself. In fp32, cuBLAS's
-    GEMMs over C_in (SIMT, no tensor cores) made an H100's steps 4-9% slower at batch 64 and
-    the image U-Net's at batch 8 (the lowdim one's at batch 8 4% faster; BENCHMARKS.md).
+    (ops.taps_major) where that pays (_taps_major_pays), else the weight itself.
 
     The copy is made once and kept on `owner` until the weight changes: another tensor, or
     an in-place update, which bumps its version (weights made under torch.inference_mode
     have none: update those by replacing them). It holds on to the weight it copied, so that
     a new weight cannot reuse its address. The cost is a second copy of these weights in
-    memory, made only by models run at GEMM-route batch sizes."""
+    memory, made only by models run in half precision at batches above 1."""
     weight = conv.weight
-    if (weight.dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
-            or conv.in_channels < _TAPS_MAJOR_MIN_IN_CHANNELS or not _on_gemm_route(x)):
+    if not _taps_major_pays(conv, x):
         return weight
     version = None if weight.is_inference() else weight._version
     cached = owner.__dict__.get("_taps_major_weight")
@@ -357,12 +373,15 @@ class ConditionalResidualBlock1D(nn.Module):
 
     def _takes_block_op(self, x: torch.Tensor, film: torch.Tensor, skip: Optional[torch.Tensor]) -> bool:
         """Whether dpa::residual_block computes this block and saves launches: on CUDA where
-        its convs run as im2col + cuBLAS. Elsewhere each conv is one launch already, and the
+        its convs run as im2col + cuBLAS (from gemm_path_min_positions(), or below it where
+        both take taps-major weights). Elsewhere each conv is one launch already, and the
         per-conv ops keep per-layer profiling and StreamProgram recording as they are."""
         # The route first: it is false at batch 1, where the per-conv checks then run only once.
-        if not (x.is_cuda and _fused_device_ok(x.device) and _on_gemm_route(x)):
-            return False
         first, second = self.blocks
+        if not (x.is_cuda and _fused_device_ok(x.device)
+                and (_on_gemm_route(x) or (_taps_major_pays(first.block[0], x)
+                                           and _taps_major_pays(second.block[0], x)))):
+            return False
         norm, norm2 = first.block[1], second.block[1]
         if norm.num_groups != norm2.num_groups or norm.eps != norm2.eps:
             return False

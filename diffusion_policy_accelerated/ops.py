@@ -26,8 +26,8 @@ def built_with_cuda() -> bool:
 
 def set_gemm_path_min_positions(positions: int) -> int:
     """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
-    instead of their weight-streaming kernels; returns the previous value.
-    Process-wide; meant for benchmarking and tuning (scripts/bench_conv_blocks.py
+    instead of their weight-streaming kernels (taps-major weights, see taps_major, take it
+    at any size); returns the previous value. Process-wide; meant for benchmarking and tuning (scripts/bench_conv_blocks.py
     --sweep-paths)."""
     return _C.set_gemm_path_min_positions(int(positions))
 
@@ -84,13 +84,13 @@ def taps_major(weight: torch.Tensor) -> torch.Tensor:
     """A copy of a Conv1d weight [C_out, C_in, K] stored taps-major: the same shape and
     values, [C_out][K][C_in] in memory (strides (C_in * K, 1, C_in)).
 
-    The conv ops take weights of any strides. Given this layout, their CUDA route for
-    batch x length >= gemm_path_min_positions() multiplies the weight's rows (output
-    channel, tap) with the input itself, where a contiguous weight needs the input's K times
-    larger im2col columns; on an H100 cuBLAS runs that GEMM shape faster too. Below that
-    size the ops' weight-streaming kernels read contiguous weights only, and copy any other
-    layout on every call: keep the contiguous weight for them. ConditionalUnet1D makes and
-    keeps such copies itself where its convs take the GEMM route.
+    The conv ops take weights of any strides. On CUDA this layout selects their im2col +
+    cuBLAS route at any batch x length (not only from gemm_path_min_positions() on), and
+    there the weight's rows (output channel, tap) multiply the input itself, where a
+    contiguous weight needs the input's K times larger im2col columns; on an H100 cuBLAS runs
+    that GEMM shape faster too. Pass the contiguous weight where the weight-streaming kernels
+    are faster (batch 1, small layers). ConditionalUnet1D makes, keeps and passes such copies
+    itself where they pay.
     """
     return weight.transpose(1, 2).contiguous().transpose(1, 2)
 

@@ -10,7 +10,8 @@ so every call streams its weights from HBM as it does inside the real U-Net. Pri
     python scripts/bench_conv_blocks.py --split-k --batch 1
 
 --sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
-+ GEMM) at every size: where they cross sets the op's default switch-over. --split-k also
++ GEMM, the latter with contiguous and with taps-major weights, ops.taps_major) at every
+size: where they cross sets the op's default switch-over. --split-k also
 times the streaming route's split-K GroupNorm kernel (ops.set_clusters(False))
 next to the default, one thread-block cluster per group.
 """
@@ -99,7 +100,7 @@ def main():
     rows = []
     header = (f"{'U-Net':22} {'B':>3} {'C_in':>5} {'C_out':>5} {'L':>3} {'weights MB':>10} "
               f"{'torch us':>9} {'ours us':>8} {'speed-up':>8} {'ours GB/s':>9} {'% copy BW':>9}"
-              + (f" {'stream us':>9} {'gemm us':>8}" if args.sweep_paths else "")
+              + (f" {'stream us':>9} {'gemm us':>8} {'gemm taps-major us':>18}" if args.sweep_paths else "")
               + (f" {'split-K us':>10}" if args.split_k else ""))
     print(header)
     for unet, dims in UNETS.items():
@@ -121,11 +122,13 @@ def main():
                 gbs = weight_bytes / (ours_us * 1e-6) / 1e9
                 paths = {}
                 if args.sweep_paths:
+                    taps_major = [ops.taps_major(w) for w in ws]
                     default = ops.set_gemm_path_min_positions(1 << 62)
-                    for name, threshold in (("stream", 1 << 62), ("gemm", 1)):
+                    for name, threshold, weights in (("stream", 1 << 62, ws), ("gemm", 1, ws),
+                                                     ("gemm_taps_major", 1, taps_major)):
                         ops.set_gemm_path_min_positions(threshold)
                         paths[f"{name}_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
-                            x, ws[i], b, gamma, beta, groups, counters=counters), copies)
+                            x, weights[i], b, gamma, beta, groups, counters=counters), copies)
                     ops.set_gemm_path_min_positions(default)
                 if args.split_k:
                     default = ops.set_clusters(False)

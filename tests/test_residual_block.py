@@ -196,6 +196,19 @@ def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
+    """Below gemm_path_min_positions() contiguous weights stream; taps-major ones (the
+    caller's choice: ConditionalUnet1D's for large layers from batch 2) take the fused GEMM
+    route, one im2col launch."""
+    for shape in [(2, 1024, 1024, 4, 5, 8), (1, 64, 32, 3, 3, 8)]:
+        args, _, _ = check(shape, dtype, "cuda", taps_major=True)
+        assert kernel_launches(lambda: ops.residual_block(**args), "im2col_kernel") == 1
+        contiguous = dict(args, weight=args["weight"].contiguous(), weight2=args["weight2"].contiguous())
+        assert kernel_launches(lambda: ops.residual_block(**contiguous), "im2col_kernel") == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 def test_cuda_graph_replay(route, threshold):
     """Captured and replayed with new inputs copied in, as GraphedSampler does."""
