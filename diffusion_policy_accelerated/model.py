@@ -122,10 +122,11 @@ def _on_gemm_route(x: torch.Tensor) -> bool:
 _TAPS_MAJOR_MIN_IN_CHANNELS = 64
 # Below the GEMM route's batch x length, a taps-major weight still takes it (the ops' rule)
 # from batch 2 and 8 positions on where C_in x C_out x positions reaches this: on an H100 in
-# bf16 the layers past it ran faster so than on the weight-streaming kernels (at batch 4,
-# length 4: lowdim 1024->1024 13.1 against 30.9 µs, image 2048->2048 27.5 against 91.9),
-# and those below it slower (`python scripts/bench_conv_blocks.py --sweep-paths --dtype
-# bfloat16 --batch 1 2 4 8`, BENCHMARKS.md). Batch 1 stays on the streaming kernels.
+# bf16 (kernel size 5) the layers past it ran faster that way than on the weight-streaming
+# kernels (at batch 4, length 4: lowdim 1024->1024 13.1 against 30.9 µs, image 2048->2048
+# 27.5 against 91.9), and those below it slower (`python scripts/bench_conv_blocks.py
+# --sweep-paths --dtype bfloat16 --batch 1 2 4 8`, BENCHMARKS.md). Batch 1 stays on the
+# streaming kernels.
 _TAPS_MAJOR_MIN_WORK = 1 << 23
 
 

@@ -27,8 +27,8 @@ def built_with_cuda() -> bool:
 def set_gemm_path_min_positions(positions: int) -> int:
     """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
     instead of their weight-streaming kernels (taps-major weights, see taps_major, take it
-    at any size); returns the previous value. Process-wide; meant for benchmarking and tuning (scripts/bench_conv_blocks.py
-    --sweep-paths)."""
+    at any size); returns the previous value. Process-wide; meant for benchmarking and
+    tuning (scripts/bench_conv_blocks.py --sweep-paths)."""
     return _C.set_gemm_path_min_positions(int(positions))
 
 
