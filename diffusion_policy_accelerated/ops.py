@@ -92,6 +92,9 @@ def taps_major(weight: torch.Tensor) -> torch.Tensor:
     are faster (batch 1, small layers). ConditionalUnet1D makes, keeps and passes such copies
     itself where they pay.
     """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"taps_major: weight must be a Conv1d weight [C_out, C_in, K], got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
     return weight.transpose(1, 2).contiguous().transpose(1, 2)
 
 

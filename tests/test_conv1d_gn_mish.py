@@ -116,6 +116,12 @@ def test_taps_major_keeps_shape_and_values():
     assert t.shape == w.shape and t.stride() == (12, 1, 4) and torch.equal(t, w)
 
 
+@pytest.mark.parametrize("weight", [torch.randn(6, 4), torch.randn(2, 6, 4, 3), [[1.0]]], ids=str)
+def test_taps_major_rejects_what_is_no_conv1d_weight(weight):
+    with pytest.raises(ValueError, match=r"taps_major: weight must be a Conv1d weight \[C_out, C_in, K\]"):
+        ops.taps_major(weight)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_fresh_random_inputs_every_call(device):
     for seed in range(4):
