@@ -369,7 +369,8 @@ at::Tensor residual_block_cpu(
     const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
     int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip,
+    bool channels_last) {
   check_residual_block_args(x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2,
                             gn_bias2, num_groups, eps, shortcut_weight, shortcut_bias, film,
                             counters, skip);
@@ -381,8 +382,9 @@ at::Tensor residual_block_cpu(
           : input;
   const at::Tensor h =
       conv1d_gn_mish_cpu(input, weight, bias, gn_weight, gn_bias, num_groups, eps, film, none, none);
-  return conv1d_gn_mish_cpu(h, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps, none,
-                            residual, none);
+  const at::Tensor out = conv1d_gn_mish_cpu(h, weight2, bias2, gn_weight2, gn_bias2, num_groups,
+                                            eps, none, residual, none);
+  return channels_last ? stored_channels_last(out) : out;
 }
 
 }  // namespace

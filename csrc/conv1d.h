@@ -20,6 +20,9 @@
 //                   the second's GEMM operand (im2col columns, or for a taps-major weight2 its
 //                   output channels-last) and the second's epilogue adds the shortcut's GEMM
 //                   result: the im2col and shortcut-epilogue launches between them go.
+//                   With `channels_last` the output is stored [B][L][C] (strides (L * C, 1,
+//                   C)): the layout in which the next block's first conv, where its taps are
+//                   GEMM rows, reads it in place instead of transposing it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -93,6 +96,12 @@ ResidualBlockProblem check_residual_block_args(
     int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
     const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip);
+
+// A [B, C, L] tensor stored channels-last, [B][L][C] in memory, as residual_block returns its
+// output when asked to; t itself where it is stored so already.
+inline at::Tensor stored_channels_last(const at::Tensor& t) {
+  return t.transpose(1, 2).contiguous().transpose(1, 2);
+}
 
 #ifdef DPA_WITH_CUDA
 // The CUDA implementation streams the weights through a split-K kernel while

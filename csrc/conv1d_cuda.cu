@@ -1483,11 +1483,13 @@ constexpr int kHeldPerThread = 4;
 // runs of cpg * taps consecutive elements, stored coalesced; in im2col's
 // [c * taps + k][positions] they were runs of L, and those scattered stores cost more than
 // the im2col launches they replaced (BENCHMARKS.md).
+// residual_rows: the residual (residual_block's input) stored channels-last, [B * L][C_out].
 struct GemmEpilogueIo {
   const void* residual_pre;
   const void* residual_bias;
   void* cols;
   int taps;
+  const void* residual_rows;
 };
 
 // Whether group_norm_epilogue_kernel holds a group in registers, which the GemmEpilogueIo
@@ -1520,6 +1522,9 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
         float r = io.residual_bias ? load_float<T>(io.residual_bias, c) : 0.f;
         r += static_cast<float>(static_cast<const T*>(io.residual_pre)[c * positions + b * L + l]);
         e[j].residual = static_cast<float>(static_cast<T>(r));
+      }
+      if (io.residual_rows) {
+        e[j].residual = load_float<T>(io.residual_rows, (static_cast<int64_t>(b) * L + l) * a.cout + c);
       }
     }
   }
@@ -2668,7 +2673,8 @@ at::Tensor residual_block_cuda(
     const std::optional<at::Tensor>& gn_weight2, const std::optional<at::Tensor>& gn_bias2,
     int64_t num_groups, double eps, const std::optional<at::Tensor>& shortcut_weight,
     const std::optional<at::Tensor>& shortcut_bias, const std::optional<at::Tensor>& film,
-    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip) {
+    const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& skip,
+    bool channels_last) {
   const ResidualBlockProblem r = check_residual_block_args(
       x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps,
       shortcut_weight, shortcut_bias, film, counters, skip);
@@ -2691,15 +2697,21 @@ at::Tensor residual_block_cuda(
       h = conv1d_gn_mish_cuda(residual, weight, bias, gn_weight, gn_bias, num_groups, eps, film,
                               none, counters);
     }
-    return conv1d_gn_mish_cuda(h, weight2, bias2, gn_weight2, gn_bias2, num_groups, eps, none,
-                               residual, counters);
+    const at::Tensor out = conv1d_gn_mish_cuda(h, weight2, bias2, gn_weight2, gn_bias2, num_groups,
+                                               eps, none, residual, counters);
+    return channels_last ? stored_channels_last(out) : out;
   }
   note_gemm_route("residual_block");
   const GemmForm form = gemm_form(p, weight, true), form2 = gemm_form(r.second, weight2, true);
   GnMishCall first = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, none, form,
                                   /*with_output=*/false);
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
-  const at::Tensor cols = im2col(first.a, x, form);
+  // x stored channels-last (a previous block's channels_last output) is, where the taps are
+  // GEMM rows, that GEMM's operand [C_in, B * L] as it is: no transposing launch.
+  const bool x_rows =
+      form == GemmForm::kTapRows && !skip.has_value() && x.transpose(1, 2).is_contiguous();
+  const at::Tensor cols = x_rows ? x.transpose(1, 2).reshape({first.a.positions, p.in_channels}).t()
+                                 : im2col(first.a, x, form);
   GemmEpilogueIo io{};
   std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
   std::optional<SideBranch> shortcut;
@@ -2712,6 +2724,8 @@ at::Tensor residual_block_cuda(
     shortcut_bias_c = contiguous_or_none(shortcut_bias);
     io.residual_pre = shortcut_pre->data_ptr();
     io.residual_bias = optional_data(shortcut_bias_c);
+  } else if (x_rows) {
+    io.residual_rows = x.data_ptr();  // read in place, not copied to [B, C, L] first
   } else {
     identity = skip.has_value() ? at::cat({x, *skip}, 1) : x;
   }
@@ -2721,8 +2735,15 @@ at::Tensor residual_block_cuda(
   const int taps2 = form2 == GemmForm::kTapRows ? 1 : static_cast<int>(r.second.kernel_size);
   const at::Tensor cols2 = at::empty({positions, r.second.in_channels * taps2}, x.options());
   launch_group_norm_epilogue(first, pre, form, GemmEpilogueIo{nullptr, nullptr, cols2.data_ptr(), taps2});
-  GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity, form2);
+  GnMishCall second = gn_mish_call(r.second, x, weight2, bias2, gn_weight2, gn_bias2, eps, none, identity, form2,
+                                   /*with_output=*/!channels_last);
   second.a.x = nullptr;  // its input is cols2
+  if (channels_last) {
+    // Written as one-tap columns: [B * L][C_out] is the output channels-last.
+    second.out = at::empty({p.batch, p.out_length, p.out_channels}, x.options()).transpose(1, 2);
+    io.cols = second.out.data_ptr();
+    io.taps = 1;
+  }
   const at::Tensor pre2 = gemm(second.a, second.weight, cols2.t(), form2);
   if (shortcut) shortcut->join();
   launch_group_norm_epilogue(second, pre2, form2, io);

@@ -35,7 +35,7 @@ TORCH_LIBRARY(dpa, m) {
       "residual_block(Tensor x, Tensor weight, Tensor? bias, Tensor? gn_weight, "
       "Tensor? gn_bias, Tensor weight2, Tensor? bias2, Tensor? gn_weight2, Tensor? gn_bias2, "
       "int num_groups, float eps, Tensor? shortcut_weight, Tensor? shortcut_bias, *, "
-      "Tensor? film=None, Tensor? counters=None, Tensor? skip=None) -> Tensor",
+      "Tensor? film=None, Tensor? counters=None, Tensor? skip=None, bool channels_last=False) -> Tensor",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "denoise_step(Tensor model_output, Tensor sample, Tensor? noise, Tensor table, int step, "

@@ -343,13 +343,16 @@ class ConditionalResidualBlock1D(nn.Module):
         _register_counters(self, out_channels)
 
     def forward(self, x: torch.Tensor, cond: Optional[torch.Tensor],
-                film: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+                film: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None,
+                channels_last: bool = False) -> torch.Tensor:
         """x: [B, in_channels, T], cond: [B, cond_dim] -> [B, out_channels, T]. `film`, if
         given, is `cond_encoder(cond)` computed elsewhere ([B, cond_channels, 1] or
         [B, cond_channels]); the sampler precomputes it, since it depends only on the
         timestep and the observation. With `skip` the block's input is
         torch.cat((x, skip), dim=1) (the U-Net's up path), read in place where the fused
-        ops apply."""
+        ops apply. `channels_last`: where the block runs as one op, store its output
+        channels-last (see ops.residual_block), for a next block that reads it so
+        (`reads_channels_last`)."""
         embed = self.cond_encoder(cond) if film is None else film
         # [B, 2C]: scale first, then bias (the channel layout of Diffusion Policy's
         # checkpoints); [B, C]: a bias. The first block applies it to its output.
@@ -363,7 +366,7 @@ class ConditionalResidualBlock1D(nn.Module):
                 _gemm_route_weight(second, conv2, x), conv2.bias,
                 norm2.weight, norm2.bias, norm.num_groups, norm.eps,
                 None if shortcut is None else shortcut.weight, None if shortcut is None else shortcut.bias,
-                film=film, counters=_counters_for(first, x), skip=skip)
+                film=film, counters=_counters_for(first, x), skip=skip, channels_last=channels_last)
         if isinstance(self.residual_conv, nn.Identity):
             if skip is not None:
                 x = torch.cat((x, skip), dim=1)
@@ -392,6 +395,12 @@ class ConditionalResidualBlock1D(nn.Module):
             fusable = first._can_fuse_shortcut(x, film, self.residual_conv, skip)
         # The second conv reads the first's output, which has x's dtype and device.
         return fusable and second._can_fuse(x, None, None)
+
+    def reads_channels_last(self, x: torch.Tensor) -> bool:
+        """Whether this block, given an input like x (its batch, length, dtype and device;
+        no skip), reads it in place when x is stored channels-last, where otherwise it would
+        transpose it: as one op whose first conv's taps are GEMM rows (a taps-major weight)."""
+        return self._takes_block_op(x, None, None) and _taps_major_pays(self.blocks[0].block[0], x)
 
 
 class ConditionalUnet1D(nn.Module):
@@ -554,9 +563,12 @@ class ConditionalUnet1D(nn.Module):
             if global_cond is not None:
                 global_feature = torch.cat([global_feature, global_cond], dim=-1)
 
-        def block(module, x, skip=None):
+        def block(module, x, skip=None, feeds=None):
+            """module's output for x; stored channels-last where `feeds`, the block that
+            reads it next (and alone), reads it so in place."""
             film = None if film_embeddings is None else film_embeddings[module]
-            return module(x, global_feature, film, skip=skip)
+            channels_last = feeds is not None and feeds.reads_channels_last(x)
+            return module(x, global_feature, film, skip=skip, channels_last=channels_last)
 
         h_local = []
         if local_cond is not None:
@@ -568,18 +580,19 @@ class ConditionalUnet1D(nn.Module):
         x = sample
         h = []
         for idx, (resnet, resnet2, downsample) in enumerate(self.down_modules):
-            x = block(resnet, x)
+            x = block(resnet, x, feeds=None if idx == 0 and len(h_local) > 0 else resnet2)
             if idx == 0 and len(h_local) > 0:
                 x = x + h_local[0]
             x = block(resnet2, x)
             h.append(x)
             x = downsample(x)
 
-        for mid_module in self.mid_modules:
-            x = block(mid_module, x)
+        mid_modules = list(self.mid_modules)
+        for mid_module, next_module in zip(mid_modules, mid_modules[1:] + [None]):
+            x = block(mid_module, x, feeds=next_module)
 
         for idx, (resnet, resnet2, upsample) in enumerate(self.up_modules):
-            x = block(resnet, x, skip=h.pop())
+            x = block(resnet, x, skip=h.pop(), feeds=resnet2)
             # Never true (idx stops at len - 1), so h_local[1] is computed but unused.
             # Diffusion Policy keeps this condition on purpose: its published checkpoints
             # were trained with it, and "fixing" it would change their outputs.

@@ -165,7 +165,7 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                    shortcut_weight: Optional[torch.Tensor] = None,
                    shortcut_bias: Optional[torch.Tensor] = None, *,
                    film: Optional[torch.Tensor] = None, counters: Optional[torch.Tensor] = None,
-                   skip: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   skip: Optional[torch.Tensor] = None, channels_last: bool = False) -> torch.Tensor:
     """Diffusion Policy's `ConditionalResidualBlock1D` given its FiLM embedding, in one op:
 
         h = conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, num_groups, eps, film=film)
@@ -181,11 +181,17 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     shortcut's GEMM result, saving one launch per block, two with a shortcut; elsewhere the
     op runs the separate ops. `counters`: int32 zeros, at least out_channels of them,
     twice that with a shortcut (see `conv1d`).
+
+    `channels_last`: return the output stored channels-last, [B][L][C_out] in memory
+    (strides (L * C_out, 1, C_out)); the values are the same. Where the op is fused on the
+    GEMM route (above) its epilogue writes that layout, and there a block whose first
+    weight is taps-major reads such an x in place, where it would otherwise transpose it in
+    a launch of its own. Elsewhere the output is copied into that layout.
     """
     return torch.ops.dpa.residual_block(x, weight, bias, gn_weight, gn_bias, weight2, bias2,
                                         gn_weight2, gn_bias2, int(num_groups), float(eps),
                                         shortcut_weight, shortcut_bias, film=film,
-                                        counters=counters, skip=skip)
+                                        counters=counters, skip=skip, channels_last=bool(channels_last))
 
 
 def _enum(value, table, what):
@@ -258,13 +264,15 @@ def _conv1d_gn_mish_shortcut_fake(x, weight, bias, gn_weight, gn_bias, num_group
 @torch.library.register_fake("dpa::residual_block")
 def _residual_block_fake(x, weight, bias, gn_weight, gn_bias, weight2, bias2, gn_weight2, gn_bias2,
                          num_groups, eps, shortcut_weight, shortcut_bias, *, film=None,
-                         counters=None, skip=None):
+                         counters=None, skip=None, channels_last=False):
     torch._check(x.dim() == 3, lambda: "residual_block: x must be [B, C_in, L]")
     torch._check(weight.dim() == 3 and weight2.dim() == 3,
                  lambda: "residual_block: weight and weight2 must be [C_out, C, K]")
     if skip is not None:
         torch._check(skip.dim() == 3 and skip.shape[0] == x.shape[0] and skip.shape[2] == x.shape[2],
                      lambda: "residual_block: skip must be [B, C2, L] like x")
+    if channels_last:
+        return x.new_empty((x.shape[0], x.shape[2], weight.shape[0])).transpose(1, 2)
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
 
 

@@ -4,8 +4,9 @@ blocks, one-position sequences, tiny channel counts, scalar-load fallbacks, stri
 transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv streamed through
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
-the ops (residual blocks included, contiguous and taps-major weights), denoise steps, and a small U-Net's denoising loop with its forward as one
-persistent kernel (fp32 and bf16, batch 1 and 2)."""
+the ops (residual blocks included, contiguous and taps-major weights, outputs stored and
+inputs read channels-last), denoise steps, and a small U-Net's denoising loop with its
+forward as one persistent kernel (fp32 and bf16, batch 1 and 2)."""
 import torch
 
 from diffusion_policy_accelerated import ops
@@ -103,6 +104,12 @@ def main():
             out = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
                                      shortcut, None,
                                      film=torch.randn(batch, cout, device="cuda", dtype=torch.bfloat16), skip=skip)
+            assert torch.isfinite(out).all()
+            # Its output stored channels-last, which a block of its width reads in place.
+            stored = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
+                                        shortcut, None, skip=skip, channels_last=True)
+            out = ops.residual_block(stored, weights[1], None, None, None, weights[1], None, None, None, 2, 1e-5,
+                                     None, None)
             assert torch.isfinite(out).all()
     ops.set_gemm_path_min_positions(default)
     assert int(counters.abs().sum()) == 0

@@ -471,6 +471,32 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_blocks_hand_on_channels_last_outputs_where_the_next_reads_them_so(dtype, monkeypatch):
+    """At batch 64 in half precision a residual block whose output only the next block reads,
+    and reads in place when it is stored channels-last (reads_channels_last: taps-major
+    weights), asks residual_block for that layout: the first block of each down and up level
+    and the first mid block, 6 of the default U-Net's 12. In fp32 (contiguous weights) none.
+    That the U-Net's output stays right is the fused-path tests' job (batch 64 above)."""
+    ops = model_mod._ops()
+    real, layouts = ops.residual_block, []
+
+    def recording(*args, channels_last=False, **kwargs):
+        layouts.append(channels_last)
+        return real(*args, channels_last=channels_last, **kwargs)
+
+    monkeypatch.setattr(ops, "residual_block", recording)
+    _, unet = pair("default")
+    unet = unet.to("cuda", dtype)
+    with torch.no_grad():
+        unet(torch.randn(64, 16, 2, device="cuda", dtype=dtype), 5,
+             global_cond=torch.randn(64, DEFAULT_CFG["global_cond_dim"], device="cuda", dtype=dtype))
+    assert len(layouts) == 12
+    assert sum(layouts) == (0 if dtype == torch.float32 else 6)
+
+
+@needs_cuda
+@pytest.mark.gpu
 def test_gemm_route_weight_copies_follow_the_weights():
     """On the GEMM route in half precision the model passes taps-major copies of its conv
     weights (ops.taps_major), kept between calls: an in-place update of the weights and a new

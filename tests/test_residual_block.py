@@ -208,6 +208,63 @@ def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
         assert kernel_launches(lambda: ops.residual_block(**contiguous), "im2col_kernel") == 0
 
 
+def stored_channels_last(t):
+    """t stored [B][L][C] in memory, as residual_block(channels_last=True) returns it."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+# The fused GEMM route with taps-major weights (identity, shortcut, skip, a long group that
+# takes the separate ops) and without (streaming route, odd sizes).
+CHANNELS_LAST_CASES = [((64, 256, 256, 8, 5, 8), None, True), ((64, 256, 512, 8, 5, 8), None, True),
+                       ((64, 2048, 512, 4, 5, 8), 1024, True), ((2, 64, 64, 160, 5, 4), None, True),
+                       ((5, 24, 24, 7, 5, 4), None, False), ((1, 512, 1024, 4, 5, 8), None, False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape,skip_from,taps_major", CHANNELS_LAST_CASES, ids=str)
+def test_channels_last_output_holds_the_same_values(shape, skip_from, taps_major, dtype, device):
+    """channels_last=True returns the same bits stored [B][L][C]: written so by the fused
+    GEMM route's epilogue, copied elsewhere (other routes, the CPU)."""
+    if device == "cpu" and shape[0] == 64:
+        shape = (4,) + shape[1:]
+    args, skip, out = check(shape, dtype, device, skip_from=skip_from, taps_major=taps_major)
+    poison_allocator(device, out.numel(), dtype)
+    stored = ops.residual_block(**args, skip=skip, channels_last=True)
+    assert stored.shape == out.shape and stored.transpose(1, 2).is_contiguous()
+    assert torch.equal(stored, out), "values differ from the default layout's (or were not written)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_channels_last_input_is_read_in_place(dtype):
+    """With a taps-major first weight, an x stored channels-last (a previous block's
+    channels_last output) is the first GEMM's operand as it is, and the identity residual is
+    read from it: no im2col (transposing) launch. Against float64, with and without a
+    shortcut, at U-Net shapes, below gemm_path_min_positions() and odd sizes; and two blocks
+    chained so, as ConditionalUnet1D chains them."""
+    shapes = [(64, 256, 256, 8, 5, 8), (64, 1024, 1024, 4, 5, 8), (64, 256, 512, 8, 5, 8),
+              (2, 1024, 1024, 4, 5, 8), (3, 40, 40, 9, 5, 5), (2, 64, 96, 5, 3, 8)]
+    for seed, shape in enumerate(shapes):
+        args = make_block(shape, dtype, "cuda", torch.Generator().manual_seed(seed))
+        args["weight"], args["weight2"] = ops.taps_major(args["weight"]), ops.taps_major(args["weight2"])
+        args["x"] = stored_channels_last(args["x"])
+        poison_allocator("cuda", shape[0] * shape[2] * shape[3], dtype)
+        out = ops.residual_block(**args)
+        assert out.is_contiguous() and not out.isnan().any(), f"{shape}: unwritten or NaN outputs"
+        torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[dtype],
+                                   msg=lambda m: f"{shape}: {m}")
+        assert kernel_launches(lambda: ops.residual_block(**args), "im2col_kernel") == 0, shape
+    # Two blocks of one width, the first's output passed channels-last to the second.
+    g = torch.Generator().manual_seed(len(shapes))
+    first, second = (make_block((64, 512, 512, 8, 5, 8), dtype, "cuda", g) for _ in range(2))
+    for args in (first, second):
+        args["weight"], args["weight2"] = ops.taps_major(args["weight"]), ops.taps_major(args["weight2"])
+    h = ops.residual_block(**first, channels_last=True)
+    out = ops.residual_block(**dict(second, x=h))
+    torch.testing.assert_close(out, ops.residual_block(**dict(second, x=h.contiguous())), **TOLERANCES[dtype])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 def test_cuda_graph_replay(route, threshold):
@@ -308,6 +365,8 @@ def test_opcheck(device):
     positional[0] = first
     torch.library.opcheck(torch.ops.dpa.residual_block.default, tuple(positional),
                           dict(film=args["film"], skip=skip))
+    torch.library.opcheck(torch.ops.dpa.residual_block.default, tuple(positional),
+                          dict(film=args["film"], skip=skip, channels_last=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
