@@ -213,8 +213,9 @@ def stored_channels_last(t):
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-# The fused GEMM route with taps-major weights (identity, shortcut, skip, a long group that
-# takes the separate ops) and without (streaming route, odd sizes).
+# The fused GEMM route with taps-major weights (identity, shortcut, skip; a long group takes
+# the separate ops), with contiguous weights (im2col's form, 35 positions), and the
+# streaming route (batch 1).
 CHANNELS_LAST_CASES = [((64, 256, 256, 8, 5, 8), None, True), ((64, 256, 512, 8, 5, 8), None, True),
                        ((64, 2048, 512, 4, 5, 8), 1024, True), ((2, 64, 64, 160, 5, 4), None, True),
                        ((5, 24, 24, 7, 5, 4), None, False), ((1, 512, 1024, 4, 5, 8), None, False)]
