@@ -1,6 +1,7 @@
 // The op schemas (one TORCH_LIBRARY for the `dpa` namespace) and the Python module that
-// loads them. Implementations register per device in the op files (CPU in .cpp, CUDA in .cu);
-// fake implementations for torch.compile live in diffusion_policy_accelerated/ops.py.
+// loads them. Implementations register per device beside their kernels (<op>/cpu/,
+// <op>/cuda/); fake implementations for torch.compile live in
+// diffusion_policy_accelerated/ops.py.
 //
 // `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device (for
 // conv1d_gn_mish_shortcut >= out_channels + shortcut channels: the conv's, then the shortcut's;
@@ -12,8 +13,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "conv1d.h"
-#include "dependent_launch.h"
+#include "common/kernel_config.h"
+#ifdef DPA_WITH_CUDA
+#include "conv1d/cuda/streaming.h"
+#endif
 
 TORCH_LIBRARY(dpa, m) {
   m.def(
@@ -45,6 +48,17 @@ TORCH_LIBRARY(dpa, m) {
       {at::Tag::pt2_compliant_tag});
 }
 
+namespace {
+
+// KernelConfig from the Python dataclass's fields (routing.KernelConfig, which validates them).
+dpa::KernelConfig kernel_config_of(int64_t gemm_min_positions, int64_t side_stream_fp32_max_positions,
+                                   bool side_stream, bool clusters, bool pdl, bool weights_evict_first) {
+  return dpa::KernelConfig{gemm_min_positions, side_stream_fp32_max_positions, side_stream, clusters, pdl,
+                           weights_evict_first};
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("built_with_cuda", [] {
 #ifdef DPA_WITH_CUDA
@@ -53,44 +67,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "Whether this build contains the CUDA implementations.");
+  // Used by diffusion_policy_accelerated.routing, which owns the configuration's fields.
+  m.def("set_kernel_config", [](int64_t gemm_min_positions, int64_t side_stream_fp32_max_positions,
+                                bool side_stream, bool clusters, bool pdl, bool weights_evict_first,
+                                bool process_default) {
+    const dpa::KernelConfig config = kernel_config_of(gemm_min_positions, side_stream_fp32_max_positions,
+                                                      side_stream, clusters, pdl, weights_evict_first);
+    if (process_default) {
+      dpa::set_default_kernel_config(config);
+    } else {
+      dpa::set_thread_kernel_config(&config);
+    }
+  }, "Sets the kernel configuration: the process default, or the calling thread's override.");
+  m.def("clear_thread_kernel_config", [] { dpa::set_thread_kernel_config(nullptr); },
+        "Drops the calling thread's override: the process default applies again.");
 #ifdef DPA_WITH_CUDA
-  m.def("set_gemm_path_min_positions", [](int64_t n) {
-    TORCH_CHECK_VALUE(n >= 1, "set_gemm_path_min_positions: n must be >= 1, got ", n);
-    return dpa::gemm_path_min_positions.exchange(n);
-  }, "Sets batch * length from which the conv ops' CUDA path uses im2col + cuBLAS; returns the old value.");
-  m.def("gemm_path_min_positions", [] { return dpa::gemm_path_min_positions.load(); },
-        "Batch * length from which the conv ops' CUDA path uses im2col + cuBLAS.");
-  m.def("set_pdl", [](bool enabled) { return dpa::use_pdl.exchange(enabled); },
-        "Switches programmatic dependent launch of the streaming conv kernels and the denoise step; returns the old setting.");
-  m.def("set_weights_evict_first", [](bool enabled) { return dpa::weights_evict_first.exchange(enabled); },
-        "Sets whether the streaming kernels' weight loads are evict-first in L2; returns the old setting.");
-  m.def("set_clusters", [](bool enabled) { return dpa::use_clusters.exchange(enabled); },
-        "Sets whether streaming convs may run as thread-block clusters; returns the old setting.");
-  m.def("set_side_stream", [](bool enabled) { return dpa::use_side_stream.exchange(enabled); },
-        "Sets whether GEMM-route ops run a 1x1 shortcut's GEMM on a side stream; returns the old setting.");
-  m.def("set_program_options", [](int options) {
-    constexpr int kAll = dpa::kProgramRelaxedPoll | dpa::kProgramNoPrefetch;
-    TORCH_CHECK_VALUE((options & ~kAll) == 0, "set_program_options: options must be a mask of bits ",
-                      kAll, " (see conv1d.h), got ", options);
-    return dpa::program_options.exchange(options);
-  },
-        "Sets StreamProgram's measurement variants (bit mask, see conv1d.h); returns the old value.");
   m.def("start_launch_trace", &dpa::start_launch_trace,
-        "Traces the streaming conv launches from now on into a CUDA int64 tensor [rows, 9] (conv1d.h).");
+        "Traces the streaming conv launches from now on into a CUDA int64 tensor [rows, 9] "
+        "(conv1d/cuda/streaming.h).");
   m.def("stop_launch_trace", &dpa::stop_launch_trace,
         "Stops tracing launches; returns the blocks (rows) of each launch traced.");
-  // Used by GraphedSampler (sampler._UNetProgram); see dpa::StreamProgram in conv1d.h.
-  pybind11::class_<dpa::StreamProgram>(m, "StreamProgram",
-                                       "Streaming conv launches recorded and run as one persistent kernel.")
-      .def(pybind11::init<>())
-      .def("begin", &dpa::StreamProgram::begin)
-      .def("add_input", &dpa::StreamProgram::add_input)
-      .def("end", &dpa::StreamProgram::end)
-      .def("produced", &dpa::StreamProgram::produced)
-      .def("run", &dpa::StreamProgram::run)
-      .def("run_traced", &dpa::StreamProgram::run_traced)
-      .def("stage_names", &dpa::StreamProgram::stage_names)
-      .def_property_readonly("num_stages", &dpa::StreamProgram::num_stages)
-      .def_property_readonly("failure", &dpa::StreamProgram::failure);
 #endif
 }

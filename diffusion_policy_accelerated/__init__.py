@@ -16,6 +16,9 @@ _EXPORTS = {
     "conv1d_gn_mish": "ops",
     "denoise_step": "ops",
     "built_with_cuda": "ops",
+    "KernelConfig": "routing",
+    "kernel_config": "routing",
+    "current_kernel_config": "routing",
 }
 __all__ = sorted(_EXPORTS) + ["ops"]
 

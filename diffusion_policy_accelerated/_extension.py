@@ -31,7 +31,9 @@ def cuda_build_reason():
 
 
 def sources(with_cuda):
-    files = sorted(CSRC.glob("*.cpp")) + (sorted(CSRC.glob("*.cu")) if with_cuda else [])
+    """csrc's sources: each op's shared and cpu/ files, and with CUDA its cuda/ files."""
+    files = [p for p in sorted(CSRC.rglob("*.cpp")) + sorted(CSRC.rglob("*.cu"))
+             if with_cuda or "cuda" not in p.relative_to(CSRC).parts]
     return [str(p) for p in files]
 
 
@@ -53,6 +55,7 @@ def jit_build():
     return load(
         name="diffusion_policy_accelerated_C" + ("" if with_cuda else "_cpu"),
         sources=files,
+        extra_include_paths=[str(CSRC)],
         extra_cflags=CXX_FLAGS + cuda_define,
         extra_cuda_cflags=NVCC_FLAGS + cuda_define,
         with_cuda=with_cuda,

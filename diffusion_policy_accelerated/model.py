@@ -11,16 +11,18 @@ residual add), or, for a residual block's first Conv1dBlock and its 1x1 shortcut
 `dpa::conv1d_gn_mish_shortcut` for both; the down/upsampling and final convs run
 `dpa::conv1d`. Where the convs run as im2col + cuBLAS on CUDA (larger batches), a residual
 block is one `dpa::residual_block`, which passes data between its convs without launches of
-their own. Training, autograd, float64 and devices without kernels take the plain
+their own; `routing` decides which route each conv takes. Training, autograd, float64 and
+devices without kernels take the plain
 PyTorch path, which computes the same function (`use_fused_ops = False` selects it for
 comparison).
 """
-import contextlib
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
+
+from . import routing
 
 __all__ = [
     "conv1d_block_shapes",
@@ -110,42 +112,9 @@ def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
     return out if residual is None else out + residual
 
 
-def _on_gemm_route(x: torch.Tensor) -> bool:
-    """Whether a conv of x that keeps its length takes the CUDA ops' im2col + cuBLAS route."""
-    return x.is_cuda and x.shape[0] * x.shape[2] >= _ops().gemm_path_min_positions()
-
-
-# Input channels from which a conv's weight is read taps-major on the GEMM route: at 2 input
-# channels (the U-Nets' first conv) the GEMM over C_in alone was slower on an H100 (batch 64,
-# bf16: 6.0 against 3.3 µs), from 256 on it was faster for 32 of 36 convs
-# (`python scripts/profile_gemm_route.py --taps-as-rows`, BENCHMARKS.md).
-_TAPS_MAJOR_MIN_IN_CHANNELS = 64
-# Below the GEMM route's batch x length, a taps-major weight still takes it (the ops' rule)
-# from batch 2 and 8 positions on where C_in x C_out x positions reaches this: on an H100 in
-# bf16 (kernel size 5) the layers past it ran faster that way than on the weight-streaming
-# kernels (at batch 4, length 4: lowdim 1024->1024 13.1 against 30.9 µs, image 2048->2048
-# 27.5 against 91.9), and those below it slower (`python scripts/bench_conv_blocks.py
-# --sweep-paths --dtype bfloat16 --batch 1 2 4 8`, BENCHMARKS.md). Batch 1 stays on the
-# streaming kernels.
-_TAPS_MAJOR_MIN_WORK = 1 << 23
-
-
-def _taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
-    """Whether conv (stride 1, keeping x's length) is faster over x with a taps-major weight
-    on the ops' GEMM route. In fp32, cuBLAS's GEMMs over C_in (SIMT, no tensor cores) made an
-    H100's steps 4-9% slower at batch 64 and the image U-Net's at batch 8 (the lowdim one's at
-    batch 8 4% faster; BENCHMARKS.md)."""
-    if (conv.weight.dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
-            or conv.in_channels < _TAPS_MAJOR_MIN_IN_CHANNELS or not x.is_cuda):
-        return False
-    batch, positions = x.shape[0], x.shape[0] * x.shape[2]
-    return _on_gemm_route(x) or (batch >= 2 and positions >= 8 and
-                                 conv.in_channels * conv.out_channels * positions >= _TAPS_MAJOR_MIN_WORK)
-
-
 def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major
-    (ops.taps_major) where that pays (_taps_major_pays), else the weight itself.
+    (ops.taps_major) where that pays (routing.taps_major_pays), else the weight itself.
 
     The copy is made once and kept on `owner` until the weight changes: another tensor, or
     an in-place update, which bumps its version (weights made under torch.inference_mode
@@ -153,7 +122,7 @@ def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> to
     a new weight cannot reuse its address. The cost is a second copy of these weights in
     memory, made only by models run in half precision at batches above 1."""
     weight = conv.weight
-    if not _taps_major_pays(conv, x):
+    if not routing.taps_major_pays(conv, x):
         return weight
     version = None if weight.is_inference() else weight._version
     cached = owner.__dict__.get("_taps_major_weight")
@@ -163,17 +132,6 @@ def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> to
         cached = (source, version, _ops().taps_major(source))
         owner._taps_major_weight = cached
     return cached[2]
-
-
-@contextlib.contextmanager
-def recording_program(program) -> Iterator[None]:
-    """Within this context the fused ops on this thread add stages to `program` (an
-    extension `StreamProgram`) instead of launching."""
-    program.begin()
-    try:
-        yield
-    finally:
-        program.end()
 
 
 def _register_counters(module: nn.Module, channels: int) -> None:
@@ -376,15 +334,10 @@ class ConditionalResidualBlock1D(nn.Module):
         return self.blocks[1](out, residual=residual)
 
     def _takes_block_op(self, x: torch.Tensor, film: torch.Tensor, skip: Optional[torch.Tensor]) -> bool:
-        """Whether dpa::residual_block computes this block and saves launches: on CUDA where
-        its convs run as im2col + cuBLAS (from gemm_path_min_positions(), or below it where
-        both take taps-major weights). Elsewhere each conv is one launch already, and the
-        per-conv ops keep per-layer profiling and StreamProgram recording as they are."""
+        """Whether dpa::residual_block computes this block and pays (routing.block_op_pays)."""
         # The route first: it is false at batch 1, where the per-conv checks then run only once.
         first, second = self.blocks
-        if not (x.is_cuda and _fused_device_ok(x.device)
-                and (_on_gemm_route(x) or (_taps_major_pays(first.block[0], x)
-                                           and _taps_major_pays(second.block[0], x)))):
+        if not (routing.block_op_pays(first.block[0], second.block[0], x) and _fused_device_ok(x.device)):
             return False
         norm, norm2 = first.block[1], second.block[1]
         if norm.num_groups != norm2.num_groups or norm.eps != norm2.eps:
@@ -400,7 +353,7 @@ class ConditionalResidualBlock1D(nn.Module):
         """Whether this block, given an input like x (its batch, length, dtype and device;
         no skip), reads it in place when x is stored channels-last, where otherwise it would
         transpose it: as one op whose first conv's taps are GEMM rows (a taps-major weight)."""
-        return self._takes_block_op(x, None, None) and _taps_major_pays(self.blocks[0].block[0], x)
+        return self._takes_block_op(x, None, None) and routing.taps_major_pays(self.blocks[0].block[0], x)
 
 
 class ConditionalUnet1D(nn.Module):

@@ -8,9 +8,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import routing
 from ._extension import load_extension
 
 _C = load_extension()
+# The kernels read their configuration (routing.KernelConfig) at every launch.
+routing.install_default(_C)
 
 SCHEDULER_KINDS = {"ddpm": 0, "ddim": 1}
 PREDICTION_TYPES = {"epsilon": 0, "sample": 1, "v_prediction": 2}
@@ -24,73 +27,17 @@ def built_with_cuda() -> bool:
     return bool(_C.built_with_cuda())
 
 
-def set_gemm_path_min_positions(positions: int) -> int:
-    """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
-    instead of their weight-streaming kernels (taps-major weights, see taps_major, take it
-    at any size); returns the previous value. Process-wide; meant for benchmarking and
-    tuning (scripts/bench_conv_blocks.py --sweep-paths)."""
-    return _C.set_gemm_path_min_positions(int(positions))
-
-
-def gemm_path_min_positions() -> int:
-    """Batch * length (the conv's GEMM N) from which the CUDA conv ops use im2col + cuBLAS
-    (see set_gemm_path_min_positions)."""
-    return int(_C.gemm_path_min_positions())
-
-
-def set_pdl(enabled: bool) -> bool:
-    """Programmatic dependent launch of the streaming conv kernels and the denoise step
-    (Hopper and newer): each launches while the previous kernel finishes, and a conv starts
-    loading its weights. On by default; returns the previous setting. Process-wide; meant for
-    measuring what it buys."""
-    return bool(_C.set_pdl(bool(enabled)))
-
-
-def set_weights_evict_first(enabled: bool) -> bool:
-    """Whether the streaming conv kernels load their weights with an evict-first L2 policy
-    (on by default), so that a forward's weights, read once each, do not push its
-    activations, partial sums and the kernels' code out of L2; returns the previous setting.
-    Process-wide, read when a kernel is launched or a graph captured; meant for measuring
-    what it buys."""
-    return bool(_C.set_weights_evict_first(bool(enabled)))
-
-
-def set_clusters(enabled: bool) -> bool:
-    """Whether convs on the streaming route (batch x length <= 32) run as thread-block
-    clusters on Hopper and newer GPUs, which add up the reduction's splits (and take a
-    GroupNorm group's statistics) in distributed shared memory, instead of split-K blocks
-    that meet in a global workspace and a finishing block: a cluster per GroupNorm group, per
-    row tile of a plain conv or a 1x1 shortcut, per 32 output channels of a transposed conv.
-    Layers whose plan does not fit (weight slices too long for the shared-memory ring, more
-    clusters than can be resident at once) stay split-K either way. On by default; returns
-    the previous setting.
-    Process-wide, read when a kernel is launched or a graph captured; meant for measuring
-    what it buys."""
-    return bool(_C.set_clusters(bool(enabled)))
-
-
-def set_side_stream(enabled: bool) -> bool:
-    """Whether the GEMM route (batch x length >= gemm_path_min_positions()) of
-    conv1d_gn_mish_shortcut and residual_block may run the 1x1 shortcut's GEMM on a side
-    stream, forked from and joined back into the caller's stream, so that it overlaps the
-    GroupNorm convs' GEMMs; a CUDA graph keeps the two as parallel branches. It does in half
-    precision, and in fp32 below 256 positions (batch x length), where that measured faster.
-    On by default; returns the previous setting. Process-wide, read when a kernel is launched
-    or a graph captured; meant for measuring what it buys."""
-    return bool(_C.set_side_stream(bool(enabled)))
-
-
 def taps_major(weight: torch.Tensor) -> torch.Tensor:
     """A copy of a Conv1d weight [C_out, C_in, K] stored taps-major: the same shape and
     values, [C_out][K][C_in] in memory (strides (C_in * K, 1, C_in)).
 
     The conv ops take weights of any strides. On CUDA this layout selects their im2col +
-    cuBLAS route at any batch x length (not only from gemm_path_min_positions() on), and
+    cuBLAS route at any batch x length (not only from KernelConfig.gemm_min_positions on), and
     there the weight's rows (output channel, tap) multiply the input itself, where a
     contiguous weight needs the input's K times larger im2col columns; on an H100 cuBLAS runs
     that GEMM shape faster too. Pass the contiguous weight where the weight-streaming kernels
     are faster (batch 1, small layers). ConditionalUnet1D makes, keeps and passes such copies
-    itself where they pay.
+    itself where they pay (routing.taps_major_pays).
     """
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
         raise ValueError(f"taps_major: weight must be a Conv1d weight [C_out, C_in, K], got "
@@ -175,7 +122,7 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     with x = torch.cat((x, skip), dim=1) when `skip` is given (read in place). Both
     GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
-    (CUDA, batch x length >= gemm_path_min_positions()), the first conv's epilogue writes
+    (CUDA, batch x length >= KernelConfig.gemm_min_positions), the first conv's epilogue writes
     the second conv's GEMM operand (its im2col columns, or with a taps-major `weight2`,
     see `taps_major`, its output channels-last) and the second's epilogue adds the
     shortcut's GEMM result, saving one launch per block, two with a shortcut; elsewhere the

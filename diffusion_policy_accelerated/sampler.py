@@ -12,12 +12,6 @@ half of every FiLM encoder is one GEMM per call; the two halves are added for al
 residual blocks and many steps at once, and each block gets a slice. The inpainting of the
 known part of the trajectory is done by the denoise step itself.
 
-Experimental (`single_kernel_unet`): on CUDA, at the small batches where the convs stream
-their weights (batch x horizon < 32), the U-Net forward can run as one persistent kernel
-(`_UNetProgram`): its ~30 conv launches per step recorded once and replayed as the stages of
-a single launch. It computes the same actions bit for bit, but on an H100 it is still ~1.5x
-slower than one launch per conv (BENCHMARKS.md), so it is off by default.
-
 Noise: the initial trajectory is drawn exactly as Diffusion Policy draws it,
 `torch.randn(condition_data.shape, generator=generator, ...)`, so with the same RNG state a
 DDIM (eta = 0) action equals Diffusion Policy's up to fp32 rounding. The per-step noise of
@@ -31,7 +25,8 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .model import ConditionalUnet1D, recording_program
+from .model import ConditionalUnet1D
+from .routing import current_kernel_config
 from .schedulers import DenoiseSchedule
 
 
@@ -46,26 +41,19 @@ class GraphedSampler:
     on CUDA (`use_cuda_graph=None` means: when the U-Net is on a CUDA device) and as the
     same hoisted loop run eagerly otherwise.
 
-    One graph is captured per (batch, horizon, action dim, conditioning) on first use, with
-    a message on stderr. The U-Net's weights and the schedule must not change afterwards
-    (build a new sampler if they do); the graphs keep references to them.
-
-    `single_kernel_unet` (experimental, see the module doc): run each U-Net forward as one
-    persistent kernel where the shapes allow it (None), always (True: an error says why it
-    cannot), or never (False, the default). `unet_path(batch, horizon)` tells which one a
-    call of that shape takes.
+    One graph is captured per (batch, horizon, action dim, conditioning, kernel
+    configuration) on first use, with a message on stderr. The U-Net's weights and the
+    schedule must not change afterwards (build a new sampler if they do); the graphs keep
+    references to them.
     """
 
     def __init__(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule, *,
-                 use_cuda_graph: Optional[bool] = None,
-                 single_kernel_unet: Optional[bool] = False):
+                 use_cuda_graph: Optional[bool] = None):
         if not isinstance(unet, ConditionalUnet1D):
             raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got "
                             f"{type(unet).__name__}")
         if not isinstance(schedule, DenoiseSchedule):
             raise TypeError(f"schedule must be a DenoiseSchedule, got {type(schedule).__name__}")
-        if single_kernel_unet not in (None, True, False):
-            raise TypeError(f"single_kernel_unet must be None, True or False, got {single_kernel_unet!r}")
         parameter = next(unet.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         if use_cuda_graph is None:
@@ -88,44 +76,7 @@ class GraphedSampler:
             self._film_columns[block] = (start, start + table.shape[1])
             start += table.shape[1]
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
-        self.single_kernel_unet = single_kernel_unet
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
-        self._programs: Dict[Tuple, Optional["_UNetProgram"]] = {}
-        self._program_failures: Dict[Tuple, str] = {}
-
-    def unet_path(self, batch: int, horizon: int, local_cond: bool = False) -> str:
-        """How calls with this batch and horizon run the U-Net: "single kernel", or "one
-        launch per conv: <why>"."""
-        key = (batch, horizon, local_cond)
-        if self._program(key) is not None:
-            return "single kernel"
-        return f"one launch per conv: {self._program_failures[key]}"
-
-    def _program(self, key: Tuple[int, int, bool]) -> Optional["_UNetProgram"]:
-        """The U-Net forward for (batch, horizon, has local_cond) as one kernel, recorded on
-        first use; None where it cannot run so (the reason goes to _program_failures)."""
-        if key in self._programs:
-            return self._programs[key]
-        program, why = None, None
-        if self.single_kernel_unet is False:
-            why = "single_kernel_unet=False"
-        elif self.device.type != "cuda":
-            why = "the U-Net is not on a CUDA device"
-        else:
-            from . import ops
-            if not ops.built_with_cuda():
-                why = "the extension was built without CUDA"
-            else:
-                program = _UNetProgram(self, *key)
-                why = program.failure
-                program = None if why else program
-        if why and self.single_kernel_unet:
-            raise RuntimeError(f"GraphedSampler: the U-Net cannot run as one kernel at batch "
-                               f"{key[0]}, horizon {key[1]}: {why}")
-        self._programs[key] = program
-        if why:
-            self._program_failures[key] = why
-        return program
 
     def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
                  local_cond: Optional[torch.Tensor] = None,
@@ -149,38 +100,29 @@ class GraphedSampler:
         inputs = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
                   for k, v in inputs.items()}
         with torch.inference_mode():
-            program = self._program((shape[0], shape[1], local_cond is not None))
             if not self.use_cuda_graph:
-                trajectory = self._loop(**inputs, program=program)
+                trajectory = self._loop(**inputs)
             else:
-                key = (tuple(shape), local_cond is not None, global_cond is not None)
+                # A graph bakes in the routes and launch features the configuration chose.
+                key = (tuple(shape), local_cond is not None, global_cond is not None, current_kernel_config())
                 if key not in self._graphs:
-                    self._graphs[key] = _CapturedLoop(self, inputs, program)
+                    self._graphs[key] = _CapturedLoop(self, inputs)
                 trajectory = self._graphs[key].replay(inputs)
         return trajectory.to(condition_data.dtype)
 
-    def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise,
-              program: Optional["_UNetProgram"] = None):
-        """The hoisted denoising loop; run eagerly, or once under capture. Per step on the
-        default path: the U-Net's launches and one denoise step, which also inpaints its
-        result (for the next step, and after the last for the return), so no PyTorch kernel
-        sits between two steps' convs."""
+    def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise):
+        """The hoisted denoising loop; run eagerly, or once under capture. Per step: the
+        U-Net's launches and one denoise step, which also inpaints its result (for the next
+        step, and after the last for the return), so no PyTorch kernel sits between two
+        steps' convs."""
         film_observation = None
         if global_cond is not None:
             film_observation = torch.nn.functional.mish(global_cond) @ self._film_weight.t()
-        if program is not None and local_cond is not None:
-            program.local_cond.copy_(local_cond)
         step_films = self._step_films(film_observation, condition_data.shape[0])
         trajectory = torch.where(condition_mask, condition_data, noise[0])
         for i, step_film in enumerate(step_films):
-            if program is not None:
-                # The program reads its inputs from static tensors.
-                program.sample.copy_(trajectory)
-                program.film.copy_(step_film)
-                model_output = program.run()
-            else:
-                films = {m: step_film[:, lo:hi] for m, (lo, hi) in self._film_columns.items()}
-                model_output = self.unet(trajectory, None, local_cond=local_cond, film_embeddings=films)
+            films = {m: step_film[:, lo:hi] for m, (lo, hi) in self._film_columns.items()}
+            model_output = self.unet(trajectory, None, local_cond=local_cond, film_embeddings=films)
             step_noise = noise[i + 1] if self.schedule.needs_noise(i) else None
             trajectory = self.schedule.step(model_output, i, trajectory, step_noise,
                                             condition_data=condition_data, condition_mask=condition_mask)
@@ -224,46 +166,10 @@ class GraphedSampler:
                              f"{list(noise.shape)}")
 
 
-class _UNetProgram:
-    """The U-Net forward at one (batch, horizon) as one persistent kernel: the fused ops'
-    streaming launches, recorded once (dpa StreamProgram), with the static tensors it reads
-    (`sample` [B, T, input_dim], `film` [B, all blocks' FiLM widths], `local_cond`) and the
-    one it writes (`run()` returns it). `failure` is non-empty where it cannot be built:
-    a conv off the streaming route (batch x horizon >= 32), a PyTorch op between the
-    fused ones (local_cond's add, a module on the plain path), ..."""
-
-    def __init__(self, sampler: GraphedSampler, batch: int, horizon: int, has_local_cond: bool):
-        from . import ops
-
-        unet = sampler.unet
-        like = dict(device=sampler.device, dtype=sampler.dtype)
-        self.sample = torch.zeros(batch, horizon, unet.final_conv[1].out_channels, **like)
-        self.film = torch.zeros(batch, sampler._film_table.shape[1], **like)
-        self.local_cond = None
-        if has_local_cond:
-            local_dim = unet.local_cond_encoder[0].blocks[0].block[0].in_channels
-            self.local_cond = torch.zeros(batch, horizon, local_dim, **like)
-        self.program = ops._C.StreamProgram()
-        for tensor in (self.sample, self.film, self.local_cond):
-            if tensor is not None:
-                self.program.add_input(tensor)
-        films = {m: self.film[:, lo:hi] for m, (lo, hi) in sampler._film_columns.items()}
-        with torch.inference_mode(), recording_program(self.program):
-            self.output = unet(self.sample, None, local_cond=self.local_cond, film_embeddings=films)
-        self.failure = self.program.failure
-        if not self.failure and not self.program.produced(self.output):
-            self.failure = "the U-Net's output is computed outside the fused ops"
-
-    def run(self) -> torch.Tensor:
-        self.program.run()
-        return self.output
-
-
 class _CapturedLoop:
     """One captured `_loop` for fixed input shapes, with the static buffers it reads."""
 
-    def __init__(self, sampler: GraphedSampler, inputs: Dict[str, Optional[torch.Tensor]],
-                 program: Optional[_UNetProgram]):
+    def __init__(self, sampler: GraphedSampler, inputs: Dict[str, Optional[torch.Tensor]]):
         batch = inputs["condition_data"].shape[0]
         print(f"diffusion_policy_accelerated: capturing the {sampler.num_steps}-step denoising loop "
               f"as a CUDA graph for batch {batch} (once per input shape)...", file=sys.stderr, flush=True)
@@ -271,11 +177,11 @@ class _CapturedLoop:
         side = torch.cuda.Stream(device=sampler.device)
         side.wait_stream(torch.cuda.current_stream(sampler.device))
         with torch.cuda.stream(side):  # warm-up: lazy init, cuBLAS handles, allocator pools
-            sampler._loop(**self.static, program=program)
+            sampler._loop(**self.static)
         torch.cuda.current_stream(sampler.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.output = sampler._loop(**self.static, program=program)
+            self.output = sampler._loop(**self.static)
 
     def replay(self, inputs: Dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
         for name, value in inputs.items():

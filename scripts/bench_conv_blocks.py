@@ -11,70 +11,25 @@ so every call streams its weights from HBM as it does inside the real U-Net. Pri
 
 --sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
 + GEMM, the latter with contiguous and with taps-major weights, ops.taps_major) at every
-size: where they cross sets the op's default switch-over. --split-k also
-times the streaming route's split-K GroupNorm kernel (ops.set_clusters(False))
-next to the default, one thread-block cluster per group.
+size: where they cross sets routing.KernelConfig.gemm_min_positions. --split-k also times the
+streaming route's split-K GroupNorm kernel (kernel_config(clusters=False)) next to the
+default, one thread-block cluster per group. --no-pdl launches without programmatic
+dependent launch.
 """
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
+from diffusion_policy_accelerated.configs import UNETS, distinct_block_shapes
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, graph_time_ms, weight_copies
+from diffusion_policy_accelerated.routing import kernel_config
 
-UNETS = {"lowdim [256,512,1024]": [256, 512, 1024], "image [512,1024,2048]": [512, 1024, 2048]}
-
-
-def conv_block_shapes(down_dims, horizon=16, input_dim=2, kernel_size=5):
-    """(in_channels, out_channels, length, kernel_size, groups) of every Conv1dBlock call of
-    Diffusion Policy's Push-T U-Net with these widths, read off a forward pass."""
-    with torch.device("meta"):
-        model = ConditionalUnet1D(input_dim, global_cond_dim=32, down_dims=down_dims,
-                                  kernel_size=kernel_size, cond_predict_scale=True)
-    return [call[1:] for call in conv1d_block_shapes(model, horizon)]
-
-
-def distinct_block_shapes(down_dims):
-    """conv_block_shapes without repeats of (in_channels, out_channels, length)."""
-    seen = set()
-    for shape in conv_block_shapes(down_dims):
-        if shape[:3] not in seen:
-            seen.add(shape[:3])
-            yield shape
-
-
-def weight_copies(weight_bytes):
-    """How many copies of a weight overflow the L2 cache (160 MB of them, 2 to 64)."""
-    return max(2, min(64, -(-160_000_000 // weight_bytes)))
-
-
-def graph_time_ms(fn, copies, replays=30):
-    """Median time of one call: a graph of `copies` calls (one per weight copy), replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm-up outside the graph (cuDNN picks its algorithm here)
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / copies)
-    return statistics.median(times)
+# The U-Nets' labels in the table, with their widths.
+WIDTHS = {f"{name} [{','.join(map(str, unet['down_dims']))}]": unet["down_dims"] for name, unet in UNETS.items()}
 
 
 def main():
@@ -89,7 +44,11 @@ def main():
     parser.add_argument("--split-k", action="store_true",
                         help="also time the split-K kernel instead of one cluster per group")
     args = parser.parse_args()
-    ops.set_pdl(not args.no_pdl)
+    with kernel_config(pdl=not args.no_pdl):
+        return table(args)
+
+
+def table(args):
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = True
@@ -103,7 +62,7 @@ def main():
               + (f" {'stream us':>9} {'gemm us':>8} {'gemm taps-major us':>18}" if args.sweep_paths else "")
               + (f" {'split-K us':>10}" if args.split_k else ""))
     print(header)
-    for unet, dims in UNETS.items():
+    for unet, dims in WIDTHS.items():
         for cin, cout, length, k, groups in distinct_block_shapes(dims):
             for batch in args.batch:
                 weight_bytes = cout * cin * k * dtype.itemsize
@@ -121,20 +80,18 @@ def main():
                     x, ws[i], b, gamma, beta, groups, counters=counters), copies)
                 gbs = weight_bytes / (ours_us * 1e-6) / 1e9
                 paths = {}
+                variants = []
                 if args.sweep_paths:
                     taps_major = [ops.taps_major(w) for w in ws]
-                    default = ops.set_gemm_path_min_positions(1 << 62)
-                    for name, threshold, weights in (("stream", 1 << 62, ws), ("gemm", 1, ws),
-                                                     ("gemm_taps_major", 1, taps_major)):
-                        ops.set_gemm_path_min_positions(threshold)
+                    variants += [("stream", dict(gemm_min_positions=1 << 62), ws),
+                                 ("gemm", dict(gemm_min_positions=1), ws),
+                                 ("gemm_taps_major", dict(gemm_min_positions=1), taps_major)]
+                if args.split_k:
+                    variants.append(("split_k", dict(clusters=False), ws))
+                for name, config, weights in variants:
+                    with kernel_config(**config):
                         paths[f"{name}_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
                             x, weights[i], b, gamma, beta, groups, counters=counters), copies)
-                    ops.set_gemm_path_min_positions(default)
-                if args.split_k:
-                    default = ops.set_clusters(False)
-                    paths["split_k_us"] = 1e3 * graph_time_ms(lambda i: ops.conv1d_gn_mish(
-                        x, ws[i], b, gamma, beta, groups, counters=counters), copies)
-                    ops.set_clusters(default)
                 row = dict(unet=unet, batch=batch, in_channels=cin, out_channels=cout, length=length,
                            kernel_size=k, groups=groups, weight_mb=weight_bytes / 1e6,
                            torch_us=torch_us, ours_us=ours_us, speedup=torch_us / ours_us,

@@ -11,49 +11,24 @@ same noise and observations. The floor: the weight bytes one step must read (eve
 device-to-device copy bandwidth measured in the same run. Medians of CUDA-event timings after
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
-    python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--compile] [--out DIR]
-                                [--ours-only] [--single-kernel]
+    python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--horizon 16] [--compile]
+                                [--out DIR] [--ours-only]
 
---ours-only skips the baselines (a quick A/B of our variants). --single-kernel adds ours with
-the experimental single-kernel U-Net (GraphedSampler(single_kernel_unet=None): one persistent
-kernel per forward where batch x horizon < 32) next to the default, one launch per conv.
+--ours-only skips the baselines (a quick A/B of our variants).
 """
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
+from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, median_ms
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
-UNETS = {  # Diffusion Policy's Push-T configs: lowdim (20-dim obs) and image (ResNet features)
-    "lowdim": dict(input_dim=2, global_cond_dim=40, down_dims=[256, 512, 1024], kernel_size=5,
-                   n_groups=8, cond_predict_scale=True),
-    "image": dict(input_dim=2, global_cond_dim=1028, down_dims=[512, 1024, 2048], kernel_size=5,
-                  n_groups=8, cond_predict_scale=True),
-}
-SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
-                        prediction_type="epsilon")
 SCHEDULES = {"DDPM-100": (DDPMScheduler, 100), "DDIM-16": (DDIMScheduler, 16)}
-HORIZON = 16
-
-
-def median_ms(fn, warmup=2, reps=7):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def dp_loop(unet, scheduler, steps, data, mask, global_cond, generator):
@@ -96,12 +71,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unet", nargs="+", default=list(UNETS), choices=list(UNETS))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--horizon", type=int, nargs="+", default=[HORIZON])
     parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
     parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
     parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
-    parser.add_argument("--single-kernel", action="store_true",
-                        help="also time ours with the experimental single-kernel U-Net")
     args = parser.parse_args()
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -109,7 +83,7 @@ def main():
     bandwidth = copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off (baselines)  "
           f"copy bandwidth {bandwidth:.0f} GB/s", flush=True)
-    header = (f"{'U-Net':7} {'schedule':9} {'B':>3} {'method':22} {'ms/action':>10} {'us/step':>9} "
+    header = (f"{'U-Net':7} {'schedule':9} {'T':>4} {'B':>3} {'method':15} {'ms/action':>10} {'us/step':>9} "
               f"{'vs eager':>8} {'vs graph':>8} {'vs compile':>10} {'x floor':>8} {'max|da| fp32':>12}")
     print(header, flush=True)
     rows = []
@@ -123,9 +97,9 @@ def main():
             scheduler = scheduler_cls(**SCHEDULER_CONFIG)
             schedule = DenoiseSchedule.from_diffusers(scheduler, steps).to("cuda")
             compiled = torch.compile(base, mode="max-autotune") if args.compile and not args.ours_only else None
-            for batch in args.batch:
+            for horizon, batch in ((h, b) for h in args.horizon for b in args.batch):
                 gen = torch.Generator("cuda").manual_seed(0)
-                data = torch.randn(batch, HORIZON, 2, device="cuda", generator=gen)
+                data = torch.randn(batch, horizon, 2, device="cuda", generator=gen)
                 mask = torch.zeros_like(data, dtype=torch.bool)
                 global_cond = torch.randn(batch, UNETS[unet_name]["global_cond_dim"], device="cuda", generator=gen)
                 noise = torch.randn((steps + 1,) + tuple(data.shape), device="cuda", generator=gen)
@@ -147,17 +121,12 @@ def main():
                             ConditionalUnet1D(**UNETS[unet_name]).cuda().eval().to(dtype)
                         if unet is not base:
                             unet.load_state_dict(base.state_dict())
-                        for single_kernel in (False, None) if args.single_kernel else (False,):
-                            sampler = GraphedSampler(unet, schedule, single_kernel_unet=single_kernel)
-                            label = f"ours {str(dtype)[6:]}" + (" single" if single_kernel is None else "")
-                            if dtype == torch.float32 and single_kernel is None:
-                                print(f"  ours single, {unet_name} B={batch}: U-Net "
-                                      f"{sampler.unet_path(batch, HORIZON)}", flush=True)
-                            results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
-                            if single_kernel is False:
-                                actions[dtype] = sampler(data, mask, global_cond=global_cond, noise=noise)
-                            floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
-                            results[label + "/floor"] = floor_ms
+                        sampler = GraphedSampler(unet, schedule)
+                        label = f"ours {str(dtype)[6:]}"
+                        results[label] = median_ms(lambda: sampler(data, mask, global_cond=global_cond, noise=noise))
+                        actions[dtype] = sampler(data, mask, global_cond=global_cond, noise=noise)
+                        floor_ms = conv_params * dtype.itemsize / (bandwidth * 1e9) * 1e3 * steps
+                        results[label + "/floor"] = floor_ms
                 fp32_floor = conv_params * 4 / (bandwidth * 1e9) * 1e3 * steps
                 for name, ms in results.items():
                     if name.endswith("/floor"):
@@ -168,12 +137,12 @@ def main():
                     # Same noise and observations: how far half-precision weights move the action.
                     error = None if dtype is None else \
                         (actions[dtype] - actions[torch.float32]).abs().max().item()
-                    row = dict(unet=unet_name, schedule=schedule_name, batch=batch, method=name,
+                    row = dict(unet=unet_name, schedule=schedule_name, horizon=horizon, batch=batch, method=name,
                                ms_per_action=ms, us_per_step=1e3 * ms / steps, floor_ms=floor,
                                action_error_vs_fp32=error,
                                device=torch.cuda.get_device_name(), torch=torch.__version__)
                     rows.append(row)
-                    print(f"{unet_name:7} {schedule_name:9} {batch:3} {name:22} {ms:10.2f} {row['us_per_step']:9.1f} "
+                    print(f"{unet_name:7} {schedule_name:9} {horizon:4} {batch:3} {name:15} {ms:10.2f} {row['us_per_step']:9.1f} "
                           f"{ratio('eager'):>8} {ratio('graph'):>8} {ratio('compile'):>10} {ms / floor:7.1f}x"
                           + ("" if error is None else f" {error:12.2e}"), flush=True)
     out = Path(args.out)
@@ -187,16 +156,16 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = sorted({(r["unet"], r["schedule"], r["batch"]) for r in rows})
+    configs = sorted({(r["unet"], r["schedule"], r["horizon"], r["batch"]) for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs)), 4.5))
     width = 0.8 / len(methods)
     for k, method in enumerate(methods):
-        values = [next((r["ms_per_action"] for r in rows if (r["unet"], r["schedule"], r["batch"]) == c
+        values = [next((r["ms_per_action"] for r in rows if (r["unet"], r["schedule"], r["horizon"], r["batch"]) == c
                         and r["method"] == method), float("nan")) for c in configs]
         ax.bar([i + k * width for i in range(len(configs))], values, width, label=method)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"{u}\n{s}\nB={b}" for u, s, b in configs], fontsize=8)
+    ax.set_xticklabels([f"{u}\n{s}\nT={t} B={b}" for u, s, t, b in configs], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("ms per action chunk (log)")
     ax.set_title(f"Diffusion Policy denoising loop, {rows[0]['device']}")

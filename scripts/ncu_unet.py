@@ -18,11 +18,10 @@ import subprocess
 import sys
 
 import torch
-from benchmark import HORIZON, UNETS
-
 from diffusion_policy_accelerated import ConditionalUnet1D, ops
-from diffusion_policy_accelerated.profiling import (conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost,
-                                                    copy_bandwidth_gbs, fused_conv1d_cost)
+from diffusion_policy_accelerated.configs import HORIZON, UNETS
+from diffusion_policy_accelerated.costs import conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost, fused_conv1d_cost
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
 
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
 

@@ -22,9 +22,10 @@ import argparse
 from pathlib import Path
 
 import torch
-from benchmark import HORIZON, SCHEDULER_CONFIG, UNETS, graphed_pytorch_loop
+from benchmark import graphed_pytorch_loop
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.profiling import (
     BREAKDOWN_COLUMNS, TOP_COLUMNS, Phases, analyse, call_graph_png, cprofile_call, format_gpu_split,
     format_table, measure_peaks, plot_roofline, record_trace, time_breakdown, write_csv)

@@ -1,10 +1,10 @@
-import contextlib
 import re
 
 import pytest
 import torch
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.routing import kernel_config
 
 # Every test that takes `device` runs on the CPU and, where one exists, on the GPU; without a
 # GPU the CUDA cases show up as skipped rather than disappearing.
@@ -46,15 +46,10 @@ def check_mixed_devices(op, args, name):
         op(**args)
 
 
-@contextlib.contextmanager
 def clusters_enabled(enabled):
-    """ops.set_clusters(enabled) for the block's duration: the streaming convs' cluster
+    """kernel_config(clusters=enabled) for the block's duration: the streaming convs' cluster
     kernels or their split-K blocks."""
-    previous = ops.set_clusters(enabled)
-    try:
-        yield
-    finally:
-        ops.set_clusters(previous)
+    return kernel_config(clusters=enabled)
 
 
 def assert_one_cluster_launch(run):

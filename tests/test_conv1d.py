@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.model import ConditionalUnet1D
 from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator)
@@ -215,14 +216,11 @@ def test_mixed_devices_raise(name):
 def test_both_cuda_routes(route, threshold, dtype, with_residual):
     """The op picks its CUDA route by batch * length; each route must be right on every shape
     (ODD_SHAPES: strides past the kernel size, taps that land on no output, length 1)."""
-    default = ops.set_gemm_path_min_positions(threshold)
-    try:
+    with kernel_config(gemm_min_positions=threshold):
         for shape in [(1, 256, 256, 16, 3, 2, 1, False), (3, 7, 6, 3, 4, 2, 1, True),
                       (8, 64, 96, 4, 1, 1, 0, False), (2, 9, 24, 5, 5, 3, 2, True),
                       (2, 9, 24, 5, 2, 3, 0, True)] + ODD_SHAPES:
             check(shape, dtype, "cuda", with_residual=with_residual)
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 # Plain and transposed convs on the streaming route. The lowdim U-Net's at batch 1 first
@@ -275,8 +273,7 @@ def test_programmatic_dependent_launch_chain(pdl):
     ws = [(torch.randn(256, 256, 3, generator=g) / 28).cuda() for _ in range(6)]
     x = torch.randn(1, 256, 16, generator=g).cuda()
     counters = torch.zeros(256, dtype=torch.int32, device="cuda")
-    previous = ops.set_pdl(pdl)
-    try:
+    with kernel_config(pdl=pdl):
         def chain():
             y = x
             for w in ws:
@@ -293,5 +290,3 @@ def test_programmatic_dependent_launch_chain(pdl):
         for _ in range(3):
             graph.replay()
             torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[torch.float32])
-    finally:
-        ops.set_pdl(previous)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
 from conftest import DEVICES, check_bad_input, check_mixed_devices, clusters_enabled, poison_allocator
 
@@ -269,8 +270,7 @@ def test_both_cuda_routes(route, threshold, dtype):
     """The op picks its CUDA route by batch * length; each route must be right on every shape
     (the GEMM route's epilogue holds a group of up to 1024 elements in registers; 8 x 200 is
     past that)."""
-    default = ops.set_gemm_path_min_positions(threshold)
-    try:
+    with kernel_config(gemm_min_positions=threshold):
         g = torch.Generator().manual_seed(8)
         for shape in [(1, 2, 256, 16, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
                       (5, 33, 40, 17, 7, 5), (2, 9, 24, 1, 5, 24), (2, 8, 16, 200, 3, 2)]:
@@ -281,8 +281,6 @@ def test_both_cuda_routes(route, threshold, dtype):
             torch.testing.assert_close(
                 out.cpu().double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
                 **TOLERANCES[dtype])
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 # Streaming-route shapes for the two GroupNorm kernels: U-Net layers (1024->1024 L4 streams

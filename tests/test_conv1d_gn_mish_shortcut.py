@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.routing import kernel_config
 from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator, run_behind_a_sleep)
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
@@ -179,15 +180,12 @@ def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
 def test_both_cuda_routes(route, threshold, dtype):
     """The GEMM route's shortcut reads the first conv's centre-tap columns in place: an odd
     number of positions puts them at an offset no multiple of 16 bytes."""
-    default = ops.set_gemm_path_min_positions(threshold)
-    try:
+    with kernel_config(gemm_min_positions=threshold):
         for shape in [(1, 256, 512, 8, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
                       (5, 33, 40, 7, 7, 5), (2, 9, 24, 1, 1, 24)]:
             for channels in (None, 3):
                 check(shape, dtype, "cuda", shortcut_channels=channels)
             check(shape, dtype, "cuda", skip_from=shape[1] // 2)
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -197,23 +195,19 @@ def test_ordered_on_the_callers_stream(shape, dtype):
     """On the GEMM route the shortcut's GEMM and epilogue run on a side stream (in half
     precision, and in fp32 below 256 positions), overlapping the GroupNorm conv's: they must
     wait for what the caller's stream queued, and the caller's stream for them."""
-    default = ops.set_gemm_path_min_positions(1)
-    try:
+    with kernel_config(gemm_min_positions=1):
         g = torch.Generator().manual_seed(12)
         groups = shape[5]
         x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
         ws, bs = make_shortcut(shape, dtype, "cuda", g)
         film, _ = film_and_residual(shape, dtype, "cuda", g, "scale+bias")
         for side_stream in (True, False):
-            ops.set_side_stream(side_stream)
-            out, short = run_behind_a_sleep(
-                lambda x: ops.conv1d_gn_mish_shortcut(x, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film), [x])
+            with kernel_config(side_stream=side_stream):
+                out, short = run_behind_a_sleep(
+                    lambda x: ops.conv1d_gn_mish_shortcut(x, w, b, gamma, beta, groups, 1e-5, ws, bs, film=film), [x])
             torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film),
                                        **TOLERANCES[dtype])
             torch.testing.assert_close(short.cpu().double(), shortcut_reference(x, ws, bs), **TOLERANCES[dtype])
-    finally:
-        ops.set_gemm_path_min_positions(default)
-        ops.set_side_stream(True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import diffusion_policy_accelerated.model as model_mod
 from diffusion_policy_accelerated.model import Conv1dBlock, ConditionalUnet1D
+from diffusion_policy_accelerated.routing import current_kernel_config
 from dp_reference import RefUnet, randomize_
 
 PKG_DIR = Path(model_mod.__file__).resolve().parent
@@ -457,7 +458,7 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
     blocks of large layers in half precision (taps-major weights)."""
     before = counted_ops["residual_blocks"]
     _check_fused("default", dtype, "cuda", counted_ops, batch=batch, horizon=16)
-    threshold = model_mod._ops().gemm_path_min_positions()
+    threshold = current_kernel_config().gemm_min_positions
     # The default U-Net's 12 residual blocks at horizon 16: 2 at length 16 (down), 4 at 8
     # (down, up), 6 at 4 (down, mid, up).
     expected = sum(n for length, n in ((16, 2), (8, 4), (4, 6)) if batch * length >= threshold)

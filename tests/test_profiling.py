@@ -13,12 +13,13 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated import ops
 from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
+from diffusion_policy_accelerated.costs import (
+    cat_cost, conv1d_cost, conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost, conv_transpose1d_cost,
+    denoise_step_cost, elementwise_cost, fused_conv1d_cost, group_norm_cost, linear_cost, matmul_cost,
+    mish_cost, residual_block_cost)
 from diffusion_policy_accelerated.profiling import (
-    ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, cat_cost, conv1d_cost, conv1d_gn_mish_cost,
-    conv1d_gn_mish_shortcut_cost,
-    conv_transpose1d_cost, denoise_step_cost, elementwise_cost, format_gpu_split, fused_conv1d_cost,
-    group_norm_cost, residual_block_cost,
-    layer_names, layer_of, linear_cost, matmul_cost, mish_cost, parse_trace, record_trace, roofline_op)
+    ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, format_gpu_split, layer_names, layer_of, parse_trace,
+    record_trace, roofline_op)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

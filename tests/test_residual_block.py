@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.routing import kernel_config
 from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator, run_behind_a_sleep
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 from test_conv1d_gn_mish_shortcut import shortcut_reference, split_input
@@ -181,8 +182,7 @@ def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
     shortcut's GEMM result rounded as conv1d stores it. The second GEMM reads its columns
     transposed, so cuBLAS may add up in another order than the separate ops: they agree
     within the dtype's tolerance. Groups too long to hold in registers take the separate ops."""
-    default = ops.set_gemm_path_min_positions(1)
-    try:
+    with kernel_config(gemm_min_positions=1):
         cases = [(s, None) for s in UNET_SHAPES + OTHER_SHAPES + LONG_GROUP_SHAPES] + SKIP_CASES
         for seed, (shape, skip_from) in enumerate(cases):
             args, skip, out = check(shape, dtype, "cuda", seed=seed, skip_from=skip_from)
@@ -191,14 +191,12 @@ def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
             held = (shape[2] // shape[5]) * shape[3] <= 1024
             im2cols = kernel_launches(lambda: ops.residual_block(**args, skip=skip), "im2col_kernel")
             assert im2cols == (1 if held else 2), f"{shape}: {im2cols} im2col launches"
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
-    """Below gemm_path_min_positions() contiguous weights stream; taps-major ones (the
+    """Below KernelConfig.gemm_min_positions contiguous weights stream; taps-major ones (the
     caller's choice: ConditionalUnet1D's for large layers from batch 2) take the fused GEMM
     route, one im2col launch."""
     for shape in [(2, 1024, 1024, 4, 5, 8), (1, 64, 32, 3, 3, 8)]:
@@ -242,7 +240,7 @@ def test_channels_last_input_is_read_in_place(dtype):
     """With a taps-major first weight, an x stored channels-last (a previous block's
     channels_last output) is the first GEMM's operand as it is, and the identity residual is
     read from it: no im2col (transposing) launch. Against float64, with and without a
-    shortcut, at U-Net shapes, below gemm_path_min_positions() and odd sizes; and two blocks
+    shortcut, at U-Net shapes, below KernelConfig.gemm_min_positions and odd sizes; and two blocks
     chained so, as ConditionalUnet1D chains them."""
     shapes = [(64, 256, 256, 8, 5, 8), (64, 1024, 1024, 4, 5, 8), (64, 256, 512, 8, 5, 8),
               (2, 1024, 1024, 4, 5, 8), (3, 40, 40, 9, 5, 5), (2, 64, 96, 5, 3, 8)]
@@ -270,8 +268,7 @@ def test_channels_last_input_is_read_in_place(dtype):
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 def test_cuda_graph_replay(route, threshold):
     """Captured and replayed with new inputs copied in, as GraphedSampler does."""
-    default = ops.set_gemm_path_min_positions(threshold)
-    try:
+    with kernel_config(gemm_min_positions=threshold):
         g = torch.Generator().manual_seed(9)
         args = make_block((4, 64, 128, 8, 5, 8), torch.float32, "cuda", g)
         ops.residual_block(**args)  # warm-up: workspaces and cuBLAS handles outside the capture
@@ -282,8 +279,6 @@ def test_cuda_graph_replay(route, threshold):
             args["x"].copy_(torch.randn(args["x"].shape, generator=g).cuda())
             graph.replay()
             torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[torch.float32])
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -292,18 +287,14 @@ def test_ordered_on_the_callers_stream(dtype):
     """On the GEMM route the shortcut's GEMM runs on a side stream (in half precision, and in
     fp32 below 256 positions), overlapping the first conv's: it must wait for what the
     caller's stream queued, and the caller's stream for it."""
-    default = ops.set_gemm_path_min_positions(1)
-    try:
+    with kernel_config(gemm_min_positions=1):
         g = torch.Generator().manual_seed(11)
         for shape in [(64, 256, 512, 8, 5, 8), (33, 12, 20, 3, 3, 2)]:
             args = make_block(shape, dtype, "cuda", g)
             for side_stream in (True, False):
-                ops.set_side_stream(side_stream)
-                (out,) = run_behind_a_sleep(lambda x: ops.residual_block(**{**args, "x": x}), [args["x"]])
+                with kernel_config(side_stream=side_stream):
+                    (out,) = run_behind_a_sleep(lambda x: ops.residual_block(**{**args, "x": x}), [args["x"]])
                 torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[dtype])
-    finally:
-        ops.set_gemm_path_min_positions(default)
-        ops.set_side_stream(True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -313,8 +304,7 @@ def test_captures_on_two_threads_at_once():
     one would merge the two captures, a CUDA error. The threads meet at each step so that
     both captures are under way while the op runs, and no thread synchronizes the device
     (torch.cuda.graph does, so the lower-level capture calls) while the other captures."""
-    default = ops.set_gemm_path_min_positions(1)
-    try:
+    with kernel_config(gemm_min_positions=1):
         g = torch.Generator().manual_seed(13)
         blocks = [make_block((8, 64, 128, 4, 5, 8), torch.bfloat16, "cuda", g) for _ in range(2)]
         step = threading.Barrier(2, timeout=60)
@@ -349,8 +339,6 @@ def test_captures_on_two_threads_at_once():
         assert not errors, errors
         for args, out in zip(blocks, outputs):
             torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[torch.bfloat16])
-    finally:
-        ops.set_gemm_path_min_positions(default)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,36 @@
+// The kernels' configuration: which routes and launch features the CUDA ops may use. It is
+// defined, with the measurements behind each default, in one place, the Python module
+// diffusion_policy_accelerated/routing.py (KernelConfig); the package's loader sets the
+// process default from it, and `with routing.kernel_config(...)` overrides it for the
+// calling thread. The ops read it when they launch a kernel or a CUDA graph captures them.
+#pragma once
+
+#include <cstdint>
+
+namespace dpa {
+
+struct KernelConfig {
+  // batch x length from which a conv takes the im2col + cuBLAS route instead of streaming
+  // its weights (a taps-major weight takes that route at any size).
+  int64_t gemm_min_positions;
+  // On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream, in fp32
+  // only below this many positions (half precision: always).
+  int64_t side_stream_fp32_max_positions;
+  bool side_stream;
+  // Streaming convs as thread-block clusters (Hopper) where their plan fits.
+  bool clusters;
+  // Programmatic dependent launch (Hopper): a kernel starts while the previous one ends.
+  bool pdl;
+  // Streamed weights loaded with an evict-first L2 policy.
+  bool weights_evict_first;
+};
+
+// The calling thread's configuration: its override if it has one, else the process
+// default. Raises if the loader has not set the default (the extension was imported
+// without diffusion_policy_accelerated.ops).
+const KernelConfig& kernel_config();
+void set_default_kernel_config(const KernelConfig& config);
+// The calling thread's override (nullptr: none, the default applies).
+void set_thread_kernel_config(const KernelConfig* config);
+
+}  // namespace dpa

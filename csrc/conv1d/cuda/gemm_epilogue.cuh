@@ -1,0 +1,287 @@
+// The im2col + cuBLAS route's kernels: im2col (the GEMM's right operand), and the epilogues
+// that turn a cuBLAS result into the op's output (GroupNorm, Mish, FiLM, residual; or the
+// plain conv's bias and residual). gemm_route.cpp runs the GEMMs and calls the launchers.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "conv1d/cuda/device_common.cuh"
+
+namespace dpa {
+
+// The GEMM route's pre-activations: a cuBLAS result [C_out, B * L] without the bias, which
+// is added here (addmm would first copy it into every column of the output, a launch).
+template <typename T>
+struct GemmPre {
+  const T* p;
+  int64_t stride;
+  const void* bias;
+  __device__ float operator()(int c, int n) const {
+    return static_cast<float>(p[c * stride + n]) + (bias ? load_float<T>(bias, c) : 0.f);
+  }
+};
+
+// One output's sum over taps k = 0..taps-1, in tap order, of rows[index(k)] (index < 0: the
+// tap adds nothing), from a GEMM result whose rows are (channel, tap). The loads go out in
+// batches, unrolled, before any add, so that a batch costs one memory round trip: an add
+// waiting on each tap's load in turn made the GroupNorm epilogue ~2.5 µs a launch slower.
+// kTaps > 0: exactly that many taps, in one batch.
+template <int kTaps, typename P, typename Index>
+__device__ __forceinline__ float sum_tap_rows(const P* rows, int taps, const Index& index) {
+  constexpr int kBatch = kTaps > 0 ? kTaps : 8;
+  const int count = kTaps > 0 ? kTaps : taps;
+  float v = 0.f;
+  for (int k0 = 0; k0 < count; k0 += kBatch) {
+    float t[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int64_t at = k0 + i < count ? index(k0 + i) : -1;
+      t[i] = at >= 0 ? static_cast<float>(rows[at]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) v += t[i];
+  }
+  return v;
+}
+
+// The GEMM route's pre-activations where the weight's taps are GEMM rows (a taps-major
+// weight, GemmForm::kTapRows; stride 1, "same" padding, as every GroupNorm conv): z is
+// [C_out * K, B * L] in fp32, row c * K + k holding tap k's products at every input
+// position. An output adds up its taps' rows, shifted, then the bias. kTaps: K where it is
+// compiled in (0: any), so that the U-Nets' kernel sizes unroll completely.
+template <typename T, int kTaps>
+struct TapRowsPre {
+  const float* z;
+  int64_t positions;
+  const void* bias;
+  int taps, pad, length;
+  __device__ float operator()(int c, int n) const {
+    const int l = n % length, K = kTaps > 0 ? kTaps : taps;
+    const float v = sum_tap_rows<kTaps>(z, K, [&](int k) -> int64_t {
+      const int at = l + k - pad;
+      return at >= 0 && at < length ? static_cast<int64_t>(c * K + k) * positions + n + k - pad : -1;
+    });
+    return v + (bias ? load_float<T>(bias, c) : 0.f);
+  }
+};
+
+// GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
+// pre(c, b * L + l): the pre-activations, read from the GEMM's result (GemmPre,
+// TapRowsPre). A group of up to kHeldPerThread * kThreads elements is held in registers
+// (conv_params.h says why); larger ones take normalize_group. Same summation order as
+// normalize_group, so the same bits.
+template <typename T, typename Pre>
+__device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io) {
+  __shared__ float scratch[kWarps];
+  __shared__ float2 stats[1];
+  __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
+  const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
+  const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
+  const int64_t positions = static_cast<int64_t>(a.batch) * L;
+  if (count > kHeldPerThread * kThreads) {
+    return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
+  }
+  float v[kHeldPerThread];
+  Epilogue e[kHeldPerThread];
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads, c = g * cpg + i / L, l = i % L;
+    if (i < count) {
+      v[j] = pre(c, b * L + l);
+      e[j] = load_epilogue<T>(a, b, c, l);
+      if (io.residual_pre) {
+        float r = io.residual_bias ? load_float<T>(io.residual_bias, c) : 0.f;
+        r += static_cast<float>(static_cast<const T*>(io.residual_pre)[c * positions + b * L + l]);
+        e[j].residual = static_cast<float>(static_cast<T>(r));
+      }
+      if (io.residual_rows) {
+        e[j].residual = load_float<T>(io.residual_rows, (static_cast<int64_t>(b) * L + l) * a.cout + c);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j)
+    if (threadIdx.x + j * kThreads < count) s += v[j];
+  const float mean = block_sum(s, scratch) / count;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    if (threadIdx.x + j * kThreads < count) {
+      const float d = v[j] - mean;
+      sq += d * d;
+    }
+  }
+  const float rstd = rsqrtf(block_sum(sq, scratch) / count + a.eps);
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i >= count) continue;
+    const float out = apply_epilogue(e[j], mish((v[j] - mean) * rstd * e[j].gamma + e[j].beta));
+    if (io.cols) {
+      staged[i] = out;
+    } else {
+      store_output<T>(a, b, g * cpg + i / L, i % L, out);
+    }
+  }
+  if (!io.cols) return;
+  __syncthreads();
+  // Row l of the tile, element c * taps + k, is out[c, l + k - pad]. (c, k) of a thread's
+  // next element advance by kThreads elements without a division.
+  const int taps = io.taps, pad = taps / 2, width = cpg * taps;
+  const int64_t row_stride = static_cast<int64_t>(a.cout) * taps;
+  T* tile = static_cast<T*>(io.cols) + b * L * row_stride + g * width;
+  const int c_step = kThreads / taps, k_step = kThreads % taps;
+  for (int l = 0; l < L; ++l) {
+    T* row = tile + l * row_stride;
+    int c = threadIdx.x / taps, k = threadIdx.x % taps;
+    for (int j = threadIdx.x; j < width; j += kThreads) {
+      const int at = l + k - pad;
+      row[j] = static_cast<T>(at >= 0 && at < L ? staged[c * L + at] : 0.f);
+      c += c_step;
+      k += k_step;
+      if (k >= taps) {
+        k -= taps;
+        ++c;
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    group_norm_epilogue_kernel(const StreamArgs a, const T* result, const GemmEpilogueIo io) {
+  group_norm_epilogue<T>(a, GemmPre<T>{result, static_cast<int64_t>(a.batch) * a.lout, a.bias}, io);
+}
+
+// Here the functor is a kernel parameter: built in the kernel from a (as GemmPre is, which
+// is faster so), a batch 64 half-precision step took ~2% longer on an H100.
+template <typename T, int kTaps>
+__global__ void __launch_bounds__(kThreads)
+    tap_rows_group_norm_epilogue_kernel(const StreamArgs a, const TapRowsPre<T, kTaps> pre,
+                                        const GemmEpilogueIo io) {
+  group_norm_epilogue<T>(a, pre, io);
+}
+
+// The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
+// result (GemmForm), written as [B, C_out, L_out]. The host keeps every index below 2^31.
+template <typename T, typename P>
+__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const P* pre,
+                                                                 GemmForm form) {
+  const int i = blockIdx.x * kThreads + threadIdx.x;
+  if (i >= a.batch * a.cout * a.lout) return;
+  const int row = i / a.lout, o = i - row * a.lout, b = row / a.cout, c = row - b * a.cout;
+  float v;
+  if (form == GemmForm::kIm2col) {
+    v = static_cast<float>(pre[c * a.positions + b * a.lout + o]);
+  } else {
+    v = sum_tap_rows<0>(pre, a.ksize, [&](int k) -> int64_t {
+      int in;  // the input position whose tap k lands on output o
+      if (form == GemmForm::kTapRows) {
+        in = o * a.stride + k - a.pad;
+      } else {
+        const int t = o + a.pad - k;
+        in = t >= 0 && t % a.stride == 0 ? t / a.stride : -1;
+      }
+      return in >= 0 && in < a.lin ? (c * a.ksize + k) * a.positions + b * a.lin + in : -1;
+    });
+  }
+  if (a.bias) v += load_float<T>(a.bias, c);
+  if (a.residual) v += load_float<T>(a.residual, i);
+  static_cast<T*>(a.out)[i] = static_cast<T>(v);
+}
+
+// blockIdx.x picks positions, blockIdx.y rows, so that each element costs 32-bit arithmetic
+// only: one 64-bit division per element made this kernel instruction-bound (~7 µs a launch
+// at batch 64, BENCHMARKS.md). A thread's rows are loaded together, then stored: one round
+// trip of latency for all of them. One launch, where ATen's pad, unfold and reshape took two
+// copies.
+constexpr int kIm2colRowsPerThread = 8;
+
+// kSplit: channels from x_split on (a concatenation read in place) come from x2; a template
+// argument because choosing per element cost this instruction-bound kernel about 1.5% of a
+// batch 64 half-precision step (BENCHMARKS.md), convs without a concatenation included.
+template <typename T, bool kSplit>
+__global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, const Im2col cut,
+                                                          int rows, T* __restrict__ cols) {
+  const int positions = a.batch * cut.length;
+  const int n = blockIdx.x * kThreads + threadIdx.x;
+  if (n >= positions) return;
+  const int b = n / cut.length, l = n - b * cut.length;
+  const T* __restrict__ x_b = static_cast<const T*>(a.x) + b * a.x_sb;
+  const T* __restrict__ x2_b = static_cast<const T*>(a.x2) + b * a.x2_sb;
+  for (int row0 = blockIdx.y; row0 < rows; row0 += kIm2colRowsPerThread * gridDim.y) {
+    T v[kIm2colRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int row = row0 + j * gridDim.y;
+      const int c = row / cut.taps, pos = l * cut.stride + row - c * cut.taps - cut.pad;
+      const bool second = kSplit && c >= a.x_split;
+      const T* column = second ? x2_b + (c - a.x_split) * a.x2_sc : x_b + c * a.x_sc;
+      v[j] = row < rows && pos >= 0 && pos < a.lin ? column[pos * (second ? a.x2_sl : a.x_sl)]
+                                                   : static_cast<T>(0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int row = row0 + j * gridDim.y;
+      if (row < rows) cols[static_cast<int64_t>(row) * positions + n] = v[j];
+    }
+  }
+}
+
+template <typename T>
+void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
+  const dim3 grid((a.positions + kThreads - 1) / kThreads,
+                  std::min((rows + kIm2colRowsPerThread - 1) / kIm2colRowsPerThread, 65535));
+  const auto kernel = a.x2 ? im2col_kernel<T, true> : im2col_kernel<T, false>;
+  kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, cut, rows, cols);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
+                                const GemmEpilogueIo& io) {
+  const dim3 grid(a.batch * a.groups);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (form != GemmForm::kTapRows) {
+    group_norm_epilogue_kernel<T><<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), io);
+  } else {
+    const auto launch = [&](auto taps) {
+      const TapRowsPre<T, decltype(taps)::value> rows{static_cast<const float*>(pre), a.positions, a.bias,
+                                                      a.ksize, a.pad, a.lout};
+      tap_rows_group_norm_epilogue_kernel<<<grid, kThreads, 0, stream>>>(a, rows, io);
+    };
+    // Diffusion Policy's kernel sizes compiled in.
+    if (a.ksize == 5) {
+      launch(std::integral_constant<int, 5>{});
+    } else if (a.ksize == 3) {
+      launch(std::integral_constant<int, 3>{});
+    } else {
+      launch(std::integral_constant<int, 0>{});
+    }
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form) {
+  const int64_t outputs = static_cast<int64_t>(a.batch) * a.cout * a.lout;
+  const int blocks = static_cast<int>((outputs + kThreads - 1) / kThreads);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (form == GemmForm::kIm2col) {
+    conv_epilogue_kernel<T><<<blocks, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), form);
+  } else {
+    conv_epilogue_kernel<T><<<blocks, kThreads, 0, stream>>>(a, static_cast<const float*>(pre), form);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The GEMM route's kernels of dtype T, in one translation unit.
+#define DPA_INSTANTIATE_GEMM_EPILOGUE(T)                                                              \
+  template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*);                          \
+  template void launch_group_norm_epilogue<T>(const StreamArgs&, const void*, GemmForm,               \
+                                              const GemmEpilogueIo&);                                 \
+  template void launch_conv_epilogue<T>(const StreamArgs&, const void*, GemmForm);
+
+}  // namespace dpa

@@ -1,0 +1,108 @@
+// The im2col + cuBLAS route's host side: the GEMM's operands and its one cuBLAS call, the
+// epilogue launches (gemm_epilogue.cuh), and the side stream a shortcut's GEMM may take.
+#include "conv1d/cuda/gemm_route.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <mutex>
+
+#include "common/checks.h"
+#include "common/kernel_config.h"
+
+namespace dpa {
+
+bool taps_major(const at::Tensor& weight) {
+  const int64_t cin = weight.size(1), taps = weight.size(2);
+  return taps > 1 && weight.stride(0) == cin * taps && weight.stride(1) == 1 && weight.stride(2) == cin;
+}
+
+bool takes_gemm_route(int64_t positions, const at::Tensor& weight) {
+  return positions >= kernel_config().gemm_min_positions || taps_major(weight);
+}
+
+GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route) {
+  if (p.transposed) return GemmForm::kTransposed;
+  return gemm_route && taps_major(weight) ? GemmForm::kTapRows : GemmForm::kIm2col;
+}
+
+void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form) {
+  const bool tap_rows = form != GemmForm::kIm2col;
+  a.m = static_cast<int>(p.out_channels * (tap_rows ? p.kernel_size : 1));
+  a.red = static_cast<int>(p.in_channels * (tap_rows ? 1 : p.kernel_size));
+  a.positions = static_cast<int>(p.batch * (tap_rows ? p.in_length : p.out_length));
+}
+
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+  const Im2col cut = form == GemmForm::kIm2col ? Im2col{a.ksize, a.lout, a.stride, a.pad} : Im2col{1, a.lin, 1, 0};
+  at::Tensor cols = at::empty({a.red, a.positions}, x.options());
+  DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
+    launch_im2col<scalar_t>(a, cut, a.red, cols.data_ptr<scalar_t>());
+  });
+  return cols;
+}
+
+// Where taps are rows the result is fp32: an output adds up K of its elements, and each
+// one's rounding to half precision would add an error of its own.
+at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
+  at::Tensor rows;
+  switch (form) {
+    case GemmForm::kIm2col: rows = weight.reshape({a.m, a.red}); break;
+    case GemmForm::kTapRows: rows = weight.as_strided({a.m, a.red}, {a.red, 1}); break;
+    case GemmForm::kTransposed: rows = weight.reshape({a.red, a.m}).t(); break;
+  }
+  if (form == GemmForm::kIm2col || cols.scalar_type() == at::kFloat) return at::mm(rows, cols).contiguous();
+  return at::mm(rows, cols, at::kFloat).contiguous();
+}
+
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form) {
+  return gemm(a, weight, im2col(a, x, form), form);
+}
+
+at::Tensor centre_columns(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
+  if (form == GemmForm::kTapRows) return cols;
+  return cols.as_strided({a.red / a.ksize, a.positions}, {a.ksize * a.positions, 1}, a.pad * a.positions);
+}
+
+bool conv_epilogue_fits(const ConvProblem& p) {
+  const int64_t gemm_elements = p.out_channels * p.kernel_size * p.batch * std::max(p.in_length, p.out_length);
+  return std::max({p.batch * p.out_channels * p.out_length, gemm_elements,
+                   p.batch * p.in_channels * p.in_length}) <= std::numeric_limits<int>::max();
+}
+
+void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const at::Tensor& pre, GemmForm form,
+                                const GemmEpilogueIo& io) {
+  DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
+    launch_group_norm_epilogue<scalar_t>(a, pre.data_ptr(), form, io);
+  });
+}
+
+void launch_conv_epilogue(const StreamArgs& a, at::ScalarType dtype, const at::Tensor& pre, GemmForm form) {
+  DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d", [&] { launch_conv_epilogue<scalar_t>(a, pre.data_ptr(), form); });
+}
+
+at::cuda::CUDAStream SideBranch::side_stream(const at::cuda::CUDAStream& main) {
+  static std::mutex mutex;
+  static std::map<std::pair<c10::DeviceIndex, c10::StreamId>, at::cuda::CUDAStream> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(main.device_index(), main.id());
+  auto it = streams.find(key);
+  if (it == streams.end()) {
+    const c10::cuda::CUDAGuard guard(main.device_index());
+    cudaStream_t created = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    it = streams.emplace(key, c10::cuda::getStreamFromExternal(created, main.device_index())).first;
+  }
+  return it->second;
+}
+
+bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions) {
+  const KernelConfig& config = kernel_config();
+  return config.side_stream && (dtype != at::kFloat || positions < config.side_stream_fp32_max_positions);
+}
+
+}  // namespace dpa

@@ -1,0 +1,120 @@
+// The im2col + cuBLAS route of the conv ops (host side): a conv as one cuBLAS GEMM over
+// every position, then an epilogue kernel (gemm_epilogue.cuh). Which convs take it:
+// takes_gemm_route, with the threshold of the kernel configuration; why that threshold:
+// diffusion_policy_accelerated/routing.py.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "conv1d/conv1d.h"
+#include "conv1d/cuda/conv_params.h"
+
+namespace dpa {
+
+// Whether a Conv1d weight [C_out, C_in, K] (K > 1) is stored taps-major, [C_out][K][C_in] in
+// memory (ops.taps_major): then its rows c * K + k are a GEMM operand as it is, and the GEMM
+// route multiplies them with x itself (GemmForm::kTapRows) instead of with im2col's K times
+// larger columns. That GEMM, [C_out * K, C_in] x [C_in, B * L], has K times the output tiles
+// and a K times shorter reduction, a shape cuBLAS runs faster (routing.py says where). Such a
+// weight takes the GEMM route at any batch x length: its caller chose that layout for it, and
+// the streaming kernels would read a contiguous copy made on every call.
+bool taps_major(const at::Tensor& weight);
+
+// Whether a Conv1d (or a GroupNorm conv) with this weight over `positions` (batch x output
+// length) takes the im2col + cuBLAS route: from the kernel configuration's
+// gemm_min_positions on, or with a taps-major weight.
+bool takes_gemm_route(int64_t positions, const at::Tensor& weight);
+
+// The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
+// view of its weight (the same but for kTapRows, which the streaming kernels do not read).
+GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route);
+
+// StreamArgs' GEMM view [m, red] x [red, positions] of the form.
+void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form);
+
+// The GEMM's B operand [red, positions]: im2col's columns, or, where taps are rows, x itself
+// as [C_in, B * L_in].
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form);
+
+// One cuBLAS GEMM over every position (tensor cores for fp16 / bf16; fp32 follows
+// torch.backends.cuda.matmul.allow_tf32, off by default): the [m, positions] result without
+// the bias, which the epilogue adds. The weight is read in place (a transposed conv's
+// [C_in, C_out * K] as the transposed operand).
+at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form);
+at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form);
+
+// x as the columns of a 1x1 conv's GEMM, [C_in, positions], within a conv's columns: all of
+// them where the conv's taps are rows, else the centre tap's rows (tap k = pad reads
+// x[b, c, l]), so that one im2col serves a residual block's first conv and its shortcut.
+at::Tensor centre_columns(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
+
+// Whether conv_epilogue_kernel's 32-bit indices cover the problem (every form's GEMM view
+// counted); past that the op falls back to ATen's convolution.
+bool conv_epilogue_fits(const ConvProblem& p);
+
+// The epilogues over `pre`, gemm()'s result of the form, for dtype `dtype`.
+void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const at::Tensor& pre, GemmForm form,
+                                const GemmEpilogueIo& io = {});
+void launch_conv_epilogue(const StreamArgs& a, at::ScalarType dtype, const at::Tensor& pre, GemmForm form);
+
+// A GEMM-route op's work that does not depend on its main path (a shortcut's GEMM) runs on
+// a side stream: at these sizes each GEMM fills a fraction of the GPU, so the two overlap.
+// The side stream starts after what the caller's stream has queued, and the caller's stream
+// waits for it at join(), so callers and CUDA graph capture (the side stream joins the
+// capture through the first event) see one stream's order. Tensors the side stream reads are
+// the caller's stream's, alive until join(). Constructed with fork false, the work runs on
+// the caller's stream.
+class SideBranch {
+ public:
+  explicit SideBranch(bool fork)
+      : main_(at::cuda::getCurrentCUDAStream()), side_(fork ? side_stream(main_) : main_) {
+    if (side_ == main_) return;
+    forked_.record(main_);
+    forked_.block(side_);
+  }
+  SideBranch(const SideBranch&) = delete;
+  SideBranch& operator=(const SideBranch&) = delete;
+  // An exception between fork and join must still leave the side stream inside the caller's
+  // order; an error from the join itself is dropped there, the first exception is the one
+  // that reaches the caller.
+  ~SideBranch() {
+    if (side_ == main_ || joined_.isCreated()) return;
+    try {
+      join();
+    } catch (...) {
+    }
+  }
+
+  template <typename F>
+  void run(F&& work) {
+    const c10::cuda::CUDAStreamGuard guard(side_);
+    work();
+  }
+
+  void join() {
+    if (side_ == main_) return;
+    joined_.record(side_);
+    joined_.block(main_);
+  }
+
+ private:
+  // One side stream per caller's stream, not per device: two captures under way at once on
+  // two streams (two threads, each with its own model copy) that shared one would merge, an
+  // error. A side stream is kept for the process's life, as PyTorch's pool streams are, and
+  // reused each time, so that cuBLAS keeps one workspace for it; callers use a handful of
+  // streams (torch.cuda.Stream() hands out one of 32 per device).
+  static at::cuda::CUDAStream side_stream(const at::cuda::CUDAStream& main);
+
+  at::cuda::CUDAStream main_, side_;
+  at::cuda::CUDAEvent forked_, joined_;
+};
+
+
+// Whether a GEMM-route op's 1x1 shortcut GEMM over `positions` columns runs on a side stream
+// (SideBranch): the kernel configuration's side_stream and side_stream_fp32_max_positions.
+bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions);
+
+}  // namespace dpa

@@ -1,0 +1,7 @@
+// cluster_conv.cuh's kernels for float: one translation unit per family and dtype, so that a build
+// compiles them in parallel.
+#include "conv1d/cuda/cluster_conv.cuh"
+
+namespace dpa {
+DPA_INSTANTIATE_CLUSTER_CONV(float)
+}  // namespace dpa

@@ -1,0 +1,7 @@
+// transposed_conv.cuh's kernels for c10::BFloat16: one translation unit per family and dtype, so that a build
+// compiles them in parallel.
+#include "conv1d/cuda/transposed_conv.cuh"
+
+namespace dpa {
+DPA_INSTANTIATE_TRANSPOSED_CONV(c10::BFloat16)
+}  // namespace dpa

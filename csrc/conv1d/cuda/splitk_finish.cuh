@@ -1,0 +1,137 @@
+// The split-K kernels' finishing block: the last block to count its partial sums into an
+// output tile (a per-tile arrival counter elects it) adds up the splits' sums in a fixed
+// order and applies the epilogue. Shared by splitk_conv.cuh and transposed_conv.cuh.
+#pragma once
+
+#include "conv1d/cuda/device_common.cuh"
+
+namespace dpa {
+
+// Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
+// in split order (deterministic), kBatch loads in flight at a time. (Batching 16 splits of two
+// elements at once measured slower on an H100: BENCHMARKS.md.)
+__device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
+  constexpr int kBatch = 8;
+  const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
+  for (int split0 = 0; split0 < a.splits; split0 += kBatch) {
+    float v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      v[j] = split0 + j < a.splits ? __ldcg(a.ws + (split0 + j) * split_stride + offset) : 0.f;
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) s += v[j];
+  }
+  return s;
+}
+
+// Complete pre-activations of an output tile, pre(c, n) with n = b * L_out + l: in the
+// finishing block's shared memory or in the workspace (written by other blocks: read through
+// L2); or in a cuBLAS result. One type for both streaming cases, so that the finishing code
+// exists once per kernel (one copy per source made it ~110 KB of SASS: BENCHMARKS.md).
+struct TilePre {
+  const float* shared;  // [c - c_lo][n], or null: in the workspace
+  const float* ws;
+  int c_lo, positions;
+  int64_t nt;
+  __device__ float operator()(int c, int n) const {
+    return shared ? shared[(c - c_lo) * positions + n] : __ldcg(ws + c * nt + n);
+  }
+};
+
+// Output tile `unit` of a conv: channels [unit * unit_rows, ...). Adds up the splits' partial
+// sums and the bias into shared memory when the tile fits (else into split 0's workspace
+// slot), then GroupNorm etc. or the plain epilogue. Not inlined, so that the finishing code
+// exists once per kernel (see TilePre).
+template <typename T>
+__device__ __noinline__ void finish_conv_tile(const StreamArgs& a, int unit, float* shared,
+                                              int shared_floats, float* scratch, float2* stats) {
+  const int c_lo = unit * a.unit_rows, c_hi = min(c_lo + a.unit_rows, a.m);
+  const int P = a.positions;
+  const int count = (c_hi - c_lo) * P;
+  const TilePre pre{count <= shared_floats ? shared : nullptr, a.ws, c_lo, P, a.nt};
+  trace_event(a, kTraceFinishing);
+#pragma unroll 1
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / P, n = i % P;
+    const float s = add_splits(a, static_cast<int64_t>(c) * a.nt + n,
+                               a.bias ? load_float<T>(a.bias, c) : 0.f);
+    if (pre.shared) {
+      shared[i] = s;
+    } else {
+      a.ws[static_cast<int64_t>(c) * a.nt + n] = s;
+    }
+  }
+  __syncthreads();
+  trace_event(a, kTraceSummed);
+  if (a.groups > 0) return normalize_group<T>(a, pre, c_lo, c_hi, 0, a.batch, scratch, stats);
+#pragma unroll 1
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / P, n = i % P, b = n / a.lout, l = n % a.lout;
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), pre(c, n)));
+  }
+}
+
+// Output tile `unit` of a transposed conv: channels [c_lo, c_hi), whose GEMM rows are
+// c * K + k. Each output position gathers the taps that land on it.
+template <typename T>
+__device__ __noinline__ void finish_transposed_tile(const StreamArgs& a, int unit) {
+  const int K = a.ksize;
+  const int c_lo = unit * (a.unit_rows / K), c_hi = min(c_lo + a.unit_rows / K, a.cout);
+  const int count = (c_hi - c_lo) * a.batch * a.lout;
+  for (int i = threadIdx.x; i < count; i += kThreads) {
+    const int c = c_lo + i / (a.batch * a.lout);
+    const int r = i % (a.batch * a.lout), b = r / a.lout, l = r % a.lout;
+    float v = a.bias ? load_float<T>(a.bias, c) : 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int t = l + a.pad - k;  // = j * stride for the input position j feeding tap k
+      if (t < 0 || t % a.stride != 0 || t / a.stride >= a.lin) continue;
+      v = add_splits(a, static_cast<int64_t>(c * K + k) * a.nt + b * a.lin + t / a.stride, v);
+    }
+    store_output<T>(a, b, c, l, apply_epilogue(load_epilogue<T>(a, b, c, l), v));
+  }
+}
+
+// After a block's partial sums are in the workspace: counts rows [r_lo, r_hi) on the
+// counters of the output tiles they belong to, and finishes each tile it completed (its
+// shared memory, now free, can hold the tile's pre-activations).
+template <typename T, bool kTransposed>
+__device__ void arrive_and_finish(const StreamArgs& a, int r_lo, int r_hi, float* shared,
+                                  int shared_floats) {
+  __shared__ int finish_units[kMaxFinishUnits];
+  __shared__ int num_finish_units;
+  __shared__ float scratch[kWarps];
+  __shared__ float2 stats[kStats];
+  __shared__ StreamArgs finishing;
+  // The barrier orders every thread's partial sums before thread 0's count, whose release
+  // publishes them; its acquire makes the other blocks' visible where it completes a tile.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int u = r_lo / a.unit_rows; u * a.unit_rows < r_hi; ++u) {
+      const int u_lo = u * a.unit_rows, u_hi = min(u_lo + a.unit_rows, a.m);
+      const int contribution = min(r_hi, u_hi) - max(r_lo, u_lo);
+      const int target = (u_hi - u_lo) * a.splits * a.n_tiles;
+      if (atomic_add_acq_rel(a.counters + u, contribution) + contribution == target) finish_units[n++] = u;
+    }
+    num_finish_units = n;
+  }
+  __syncthreads();
+  trace_event(a, kTraceArrived);
+  const int n = num_finish_units;
+  // The finishing code is not inlined and takes its arguments by reference: from shared
+  // memory, since a kernel parameter's address would make every thread of every block copy
+  // all the parameters to local memory as it starts.
+  if (n > 0) copy_args(finishing, a);
+  for (int i = 0; i < n; ++i) {
+    if constexpr (kTransposed) {
+      finish_transposed_tile<T>(finishing, finish_units[i]);
+    } else {
+      finish_conv_tile<T>(finishing, finish_units[i], shared, shared_floats, scratch, stats);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) a.counters[finish_units[i]] = 0;  // ready for the next launch
+  }
+  if (n > 0) trace_event(a, kTraceFinished);
+}
+
+}  // namespace dpa

@@ -1,0 +1,285 @@
+"""Which path each convolution takes, and why: the kernel configuration, its measured
+thresholds, and the route rules, in one place.
+
+A conv of the U-Net takes one of these routes:
+
+  CPU          ATen's fp32 convolution, then the fused GroupNorm / Mish / FiLM / residual pass.
+  streaming    CUDA, batch x length below `gemm_min_positions`: the weight-streaming kernels,
+               which read every weight once at close to HBM bandwidth (a robot's batch 1). On
+               Hopper a layer runs as thread-block clusters where its plan fits (`clusters`),
+               elsewhere as split-K blocks with a finishing block; csrc/conv1d/cuda/
+               launch_plan.cpp cuts it into blocks from the device's SM count and shared memory.
+  GEMM         CUDA, from `gemm_min_positions` on: im2col + one cuBLAS GEMM + an epilogue
+               kernel. In half precision a GroupNorm conv's weight may be passed taps-major
+               (`taps_major_pays`): the GEMM then multiplies x itself and the epilogue adds up
+               the taps, and a taps-major weight takes this route at any size.
+  block op     on the GEMM route, a whole residual block is one `dpa::residual_block`
+               (`block_op_pays`), whose epilogues hand data to the next GEMM without launches
+               of their own, and which may store its output channels-last for the next block.
+
+`explain(unet, batch, horizon)` lists every conv of a forward with its route and the reason;
+`python -m diffusion_policy_accelerated.routing --unet lowdim --batch 1 8 64` prints it.
+
+The thresholds below were measured on an H100 80GB (torch 2.11.0+cu130); BENCHMARKS.md,
+"Route crossover", has the sweep and its command. The kernel configuration is read when an op
+launches and when a CUDA graph captures one (GraphedSampler captures again when it changes).
+"""
+import argparse
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator, List, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major_pays", "block_op_pays",
+           "on_gemm_route", "ConvRoute", "explain"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """What the CUDA ops may use. The defaults are the measured best; the switches exist to
+    measure what each feature buys (`with kernel_config(clusters=False): ...`)."""
+
+    # batch x length from which a conv takes the GEMM route instead of streaming its weights.
+    # At 32 positions the GEMM route was 1.3-3.2x faster on the U-Nets' large layers (batch 8,
+    # length 4) and streaming up to 1.4x faster on small ones (batch 2, length 16); below 32
+    # streaming won everywhere against im2col's GEMM.
+    gemm_min_positions: int = 32
+    # On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream beside the
+    # first conv's GEMM. In half precision, and in fp32 below 256 positions, that took 0.9-12 µs
+    # off 25 of the 30 U-Net blocks measured, left 4 within 0.2 µs and lengthened one by
+    # 2.5 µs; from 256 positions on, fp32's SIMT GEMMs fill the GPU, and it lengthened blocks
+    # by up to 8 µs about as often as it shortened them.
+    side_stream: bool = True
+    side_stream_fp32_max_positions: int = 256
+    # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
+    # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1.
+    clusters: bool = True
+    # Hopper: programmatic dependent launch, each kernel starting while the previous one ends
+    # and requesting its weights early; 0.3-3 µs per launch at batch 1.
+    pdl: bool = True
+    # Streamed weights (each read once per forward) loaded evict-first in L2, keeping the
+    # activations, partial sums and code there: 1-4 ms per DDPM-100 action at batch 1.
+    weights_evict_first: bool = True
+    # Taps-major weights (half precision, GroupNorm convs): from this many input channels. At
+    # 2 input channels (the U-Nets' first conv) the GEMM over C_in alone was slower (batch 64,
+    # bf16: 6.0 against 3.3 µs); from 256 on it was faster for 32 of 36 convs, by up to 43%.
+    taps_major_min_in_channels: int = 64
+    # ... and below gemm_min_positions, from batch 2 and 8 positions on where
+    # C_in x C_out x positions reaches this: layers past it ran faster so than on the streaming
+    # kernels (bf16, batch 4, length 4: lowdim 1024->1024 13.1 against 30.9 µs, image
+    # 2048->2048 27.5 against 91.9), those below it slower. Batch 1 stays on streaming.
+    taps_major_min_work: int = 1 << 23
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in (bool, "bool"):
+                if not isinstance(value, bool):
+                    raise TypeError(f"KernelConfig.{field.name} must be a bool, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"KernelConfig.{field.name} must be an int, got {value!r}")
+            elif not 1 <= value < 2 ** 63:
+                raise ValueError(f"KernelConfig.{field.name} must be in [1, 2**63), got {value}")
+
+
+DEFAULT = KernelConfig()
+_thread = threading.local()
+
+
+def current_kernel_config() -> KernelConfig:
+    """The calling thread's kernel configuration (DEFAULT outside `kernel_config`)."""
+    return getattr(_thread, "config", None) or DEFAULT
+
+
+def _push(extension, config: Optional[KernelConfig], process_default: bool = False) -> None:
+    """Hands `config` to the extension (None: drop the thread's override)."""
+    if config is None:
+        extension.clear_thread_kernel_config()
+        return
+    extension.set_kernel_config(config.gemm_min_positions, config.side_stream_fp32_max_positions,
+                                config.side_stream, config.clusters, config.pdl,
+                                config.weights_evict_first, process_default)
+
+
+def install_default(extension) -> None:
+    """Sets the extension's process-wide default (the package's loader calls this once)."""
+    _push(extension, DEFAULT, process_default=True)
+
+
+@contextlib.contextmanager
+def kernel_config(config: Optional[KernelConfig] = None, **changes) -> Iterator[KernelConfig]:
+    """`with kernel_config(clusters=False): ...` runs the block's ops (on this thread) with the
+    current configuration changed so, or with `config` given whole; yields it. Nested blocks
+    stack; the previous configuration is restored on exit, also on an exception."""
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a KernelConfig, got {type(config).__name__}")
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(KernelConfig)})
+    if unknown:
+        raise TypeError(f"kernel_config: unknown fields {unknown}; KernelConfig has "
+                        f"{[f.name for f in dataclasses.fields(KernelConfig)]}")
+    new = dataclasses.replace(config or current_kernel_config(), **changes)
+    from . import ops
+
+    previous = getattr(_thread, "config", None)
+    _thread.config = new
+    _push(ops._C, new)
+    try:
+        yield new
+    finally:
+        _thread.config = previous
+        _push(ops._C, previous)
+
+
+# ---------------------------------------------------------------------------------------
+# The route rules. The CUDA ops apply gemm_min_positions and the side stream themselves
+# (csrc/conv1d/cuda/gemm_route.h); the model asks these for the weights' layout and for
+# whole-block ops. Each rule is a function of the conv and the input's batch, length and
+# dtype, so that explain() answers for shapes nothing has run at.
+
+def _on_gemm_route(batch: int, length: int, config: KernelConfig) -> bool:
+    return batch * length >= config.gemm_min_positions
+
+
+def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
+    if (dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
+            or conv.in_channels < config.taps_major_min_in_channels):
+        return False
+    positions = batch * length
+    return _on_gemm_route(batch, length, config) or (
+        batch >= 2 and positions >= 8 and conv.in_channels * conv.out_channels * positions >= config.taps_major_min_work)
+
+
+def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
+                   config: KernelConfig) -> bool:
+    return _on_gemm_route(batch, length, config) or (_taps_major_pays(first, batch, length, dtype, config)
+                                                     and _taps_major_pays(second, batch, length, dtype, config))
+
+
+def on_gemm_route(x: torch.Tensor) -> bool:
+    """Whether a conv of x that keeps its length takes the CUDA ops' im2col + cuBLAS route."""
+    return x.is_cuda and _on_gemm_route(x.shape[0], x.shape[2], current_kernel_config())
+
+
+def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
+    """Whether conv (stride 1, keeping x's length) is faster over x with a taps-major weight
+    on the GEMM route: half precision, a kernel wider than 1, enough input channels, and the
+    GEMM route or, below it, enough work at batch 2+. In fp32, cuBLAS's GEMMs over C_in (SIMT,
+    no tensor cores) made steps 4-9% slower at batch 64 and the image U-Net's at batch 8."""
+    return x.is_cuda and _taps_major_pays(conv, x.shape[0], x.shape[2], conv.weight.dtype, current_kernel_config())
+
+
+def block_op_pays(first: nn.Conv1d, second: nn.Conv1d, x: torch.Tensor) -> bool:
+    """Whether a residual block with these two GroupNorm convs, over x, runs as one
+    dpa::residual_block: on CUDA where its convs take the GEMM route (from
+    gemm_min_positions, or below it where both take taps-major weights), whose launches it
+    saves (4-5% per step at batch 8 and 64 in half precision). On the streaming route each
+    conv is one launch already, and the per-conv ops keep per-layer profiling as it is."""
+    return x.is_cuda and _block_op_pays(first, second, x.shape[0], x.shape[2], first.weight.dtype,
+                                        current_kernel_config())
+
+
+# ---------------------------------------------------------------------------------------
+# Explaining a forward.
+
+class ConvRoute(NamedTuple):
+    """One conv of a forward: its module name, shapes and route, and why."""
+    module: str
+    shape: str
+    route: str
+    why: str
+
+
+def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.device, dtype: torch.dtype,
+                block: Optional[nn.Module], group_norm: bool, config: KernelConfig) -> ConvRoute:
+    """The route of `conv` over an input of `shape`: `block` is its residual block, if any;
+    `group_norm` whether it is a Conv1dBlock's conv (the model passes only those taps-major)."""
+    transposed = isinstance(conv, nn.ConvTranspose1d)
+    batch, channels, length = shape
+    described = (f"{'ConvTranspose1d' if transposed else 'Conv1d'} {channels}->{conv.out_channels} "
+                 f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
+    if device.type != "cuda":
+        return ConvRoute(name, described, "CPU", "ATen's conv in fp32, then the fused epilogue")
+    positions = batch * length
+    taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config)
+    layout = ", taps-major" if taps else ""
+    paired = False
+    if block is not None:
+        first, second = block.blocks[0].block[0], block.blocks[1].block[0]
+        if _block_op_pays(first, second, batch, length, dtype, config):
+            return ConvRoute(name, described, "GEMM, block op" + layout,
+                             "its residual block runs as one op on the GEMM route")
+        # Otherwise a block with a shortcut runs its first conv and the shortcut as one
+        # conv1d_gn_mish_shortcut, which takes the contiguous weight.
+        paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)
+        taps = taps and not paired
+        layout = ", taps-major" if taps else ""
+    if positions >= config.gemm_min_positions:
+        return ConvRoute(name, described, "GEMM" + layout,
+                         f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}")
+    if taps:
+        return ConvRoute(name, described, "GEMM, taps-major",
+                         f"half precision, batch >= 2 and C_in x C_out x positions >= {config.taps_major_min_work}")
+    plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
+    return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
+                     f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}; {plan}"
+                     + ("; the block's first conv and shortcut in one launch" if paired else ""))
+
+
+def explain(unet, batch: int, horizon: int, dtype: Optional[torch.dtype] = None,
+            device: Optional[str] = None) -> List[ConvRoute]:
+    """Every conv of one forward of `unet` (this package's ConditionalUnet1D) at this batch and
+    horizon, in call order, with the route it takes on `device` in `dtype` (default: the
+    model's) under the calling thread's kernel configuration. One plain forward of the model,
+    where it is, finds the shapes."""
+    from .model import ConditionalResidualBlock1D, ConditionalUnet1D, Conv1dBlock, conv1d_block_shapes
+
+    if not isinstance(unet, ConditionalUnet1D):
+        raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got {type(unet).__name__}")
+    parameter = next(unet.parameters())
+    dtype = parameter.dtype if dtype is None else dtype
+    device = parameter.device if device is None else torch.device(device)
+    names = {module: name for name, module in unet.named_modules()}
+    group_norm_convs = {m.block[0] for m in unet.modules() if isinstance(m, Conv1dBlock)}
+    owners = {}
+    for block in unet.modules():
+        if isinstance(block, ConditionalResidualBlock1D):
+            owners.update({conv_block.block[0]: block for conv_block in block.blocks})
+            if isinstance(block.residual_conv, nn.Conv1d):
+                owners[block.residual_conv] = block
+    calls = []
+    hooks = [module.register_forward_hook(lambda m, args, out: calls.append((m, args[0].shape)))
+             for module in unet.modules() if isinstance(module, (nn.Conv1d, nn.ConvTranspose1d))]
+    try:
+        conv1d_block_shapes(unet, horizon, batch)  # a plain forward, which fires every hook
+    finally:
+        for hook in hooks:
+            hook.remove()
+    config = current_kernel_config()
+    return [_conv_route(names[conv], conv, shape, device, dtype, owners.get(conv), conv in group_norm_convs, config)
+            for conv, shape in calls]
+
+
+def main(argv=None) -> None:
+    from .configs import HORIZON, UNETS
+    from .model import ConditionalUnet1D
+
+    parser = argparse.ArgumentParser(description="Which route each conv of a U-Net forward takes, and why.")
+    parser.add_argument("--unet", default="lowdim", choices=sorted(UNETS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--horizon", type=int, default=HORIZON)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args(argv)
+    with torch.device("meta"):
+        unet = ConditionalUnet1D(**UNETS[args.unet])
+    for batch in args.batch:
+        print(f"{args.unet} U-Net, batch {batch}, horizon {args.horizon}, {args.dtype} on {args.device}:")
+        for r in explain(unet, batch, args.horizon, getattr(torch, args.dtype), args.device):
+            print(f"  {r.module:34s} {r.shape:42s} {r.route:30s} {r.why}")
+
+
+if __name__ == "__main__":
+    main()

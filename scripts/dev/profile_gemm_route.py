@@ -1,0 +1,156 @@
+"""Where a U-Net forward's GPU time goes on the convs' im2col + cuBLAS route (batch x length
+>= KernelConfig.gemm_min_positions), kernel by kernel, and the measurements behind two of
+routing.py's rules.
+
+Default: the GPU time of one forward of the lowdim and image U-Nets per kernel name (torch
+profiler, 5 forwards averaged, not graphed: FiLM's Linear and Mish kernels show here but are
+hoisted out of GraphedSampler's loop). --by-shape adds the profiler's per-op table grouped
+by input shapes. --side-stream instead times every residual block with a 1x1 shortcut
+(ops.residual_block) and each U-Net's forward at batch 8 and 64, CUDA-graphed, with the
+shortcut's GEMM on a side stream and without (kernel_config(side_stream=...)), interleaved
+on, off, on. --taps-as-rows instead times every GroupNorm conv's GEMM at batch 8 and 64 as
+im2col builds it against the GEMM of a taps-major weight (ops.taps_major) with x itself, in
+both orientations, with results in x's dtype and in fp32.
+
+    python scripts/dev/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
+    python scripts/dev/profile_gemm_route.py --side-stream
+    python scripts/dev/profile_gemm_route.py --taps-as-rows
+"""
+import argparse
+from collections import defaultdict
+
+import torch
+
+from diffusion_policy_accelerated import ConditionalUnet1D, ops
+from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_shapes
+from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
+from diffusion_policy_accelerated.routing import kernel_config
+
+WIDTHS = {name: unet["down_dims"] for name, unet in UNETS.items()}
+
+
+def taps_as_rows_table():
+    """A k-tap conv's GEMM as im2col builds it, [M, cin*k] x [cin*k, N], against the taps as
+    rows of the weight, [k*M, cin] x [cin, N] (each output position then adds up its k taps'
+    rows, shifted, in the epilogue), and that GEMM with the input channels-last, [N, cin] x
+    [cin, k*M]; bf16 with bf16 and with fp32 results."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float32):
+        outs = (dtype,) if dtype == torch.float32 else (dtype, torch.float32)
+        print(f"== {dtype}: us per GEMM: im2col [M,K*cin]x[K*cin,N] | taps as rows [K*M,cin]x[cin,N]"
+              f" | channels-last [N,cin]x[cin,K*M]; " + " / ".join(f"{str(o)[6:]} out" for o in outs))
+        for unet, dims in WIDTHS.items():
+            for cin, cout, length, k, _ in distinct_block_shapes(dims):
+                for batch in (8, 64):
+                    M, N = cout, batch * length
+                    copies = weight_copies(M * cin * k * dtype.itemsize)
+                    ws = [torch.randn(M, cin * k, device="cuda", dtype=dtype) for _ in range(copies)]
+                    cols = torch.randn(cin * k, N, device="cuda", dtype=dtype)
+                    x = torch.randn(cin, N, device="cuda", dtype=dtype)
+                    x_last = torch.randn(N, cin, device="cuda", dtype=dtype)
+                    row = [graph_time_ms(lambda i: torch.mm(ws[i], cols), copies)]
+                    for out in outs:
+                        kw = {} if out == dtype else dict(out_dtype=out)
+                        row.append(graph_time_ms(lambda i: torch.mm(ws[i].view(k * M, cin), x, **kw), copies))
+                        row.append(graph_time_ms(lambda i: torch.mm(x_last, ws[i].view(k * M, cin).t(), **kw),
+                                                 copies))
+                    print(f"{unet[:8]:8} B{batch:<3} {cin:5}->{cout:<5} L{length:<3} {row[0] * 1e3:7.1f} | "
+                          + " | ".join(f"{a * 1e3:7.1f} {b * 1e3:7.1f}" for a, b in zip(row[1::2], row[2::2])),
+                          flush=True)
+
+
+def residual_block_args(cin, cout, k, groups, dtype):
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", dtype=dtype) * scale
+
+    return dict(weight=randn(cout, cin, k, scale=(cin * k) ** -0.5), bias=randn(cout), gn_weight=randn(cout),
+                gn_bias=randn(cout), weight2=randn(cout, cout, k, scale=(cout * k) ** -0.5), bias2=randn(cout),
+                gn_weight2=randn(cout), gn_bias2=randn(cout), num_groups=groups, eps=1e-5,
+                shortcut_weight=randn(cout, cin, 1, scale=cin ** -0.5), shortcut_bias=randn(cout))
+
+
+def side_stream_table():
+    """us per call with the shortcut's GEMM on a side stream and on the caller's stream."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype in (torch.bfloat16, torch.float32):
+        print(f"== {dtype}: us per call, side stream on / off / on")
+        for unet, dims in WIDTHS.items():
+            for cin, cout, length, k, groups in distinct_block_shapes(dims):
+                if cin == cout:
+                    continue
+                weight_bytes = (cin * cout * (k + 1) + cout * cout * k) * dtype.itemsize
+                copies = weight_copies(weight_bytes)
+                blocks = [residual_block_args(cin, cout, k, groups, dtype) for _ in range(copies)]
+                for batch in (8, 64):
+                    x = torch.randn(batch, cin, length, device="cuda", dtype=dtype)
+                    row = []
+                    for enabled in (True, False, True):
+                        with kernel_config(side_stream=enabled):
+                            row.append(graph_time_ms(lambda i: ops.residual_block(x, **blocks[i]), copies))
+                    print(f"{unet[:8]:8} B{batch:<3} {cin:5}->{cout:<5} L{length:<3}"
+                          + " / ".join(f"{1e3 * t:7.1f}" for t in row), flush=True)
+            for batch in (8, 64):
+                model = ConditionalUnet1D(**UNETS[unet]).cuda().eval().to(dtype)
+                sample = torch.randn(batch, HORIZON, 2, device="cuda", dtype=dtype)
+                cond = torch.randn(batch, UNETS[unet]["global_cond_dim"], device="cuda", dtype=dtype)
+                timestep = torch.full((batch,), 10, device="cuda")
+                row = []
+                with torch.inference_mode():
+                    for enabled in (True, False, True):
+                        with kernel_config(side_stream=enabled):
+                            row.append(graph_time_ms(lambda i: model(sample, timestep, global_cond=cond), 1,
+                                                     replays=100))
+                print(f"{unet[:8]:8} B{batch:<3} whole forward   "
+                      + " / ".join(f"{1e3 * t:7.1f}" for t in row), flush=True)
+
+
+def kernel_breakdown(batch, dtype, by_shape, forwards=5):
+    for name in ("lowdim", "image"):
+        unet = ConditionalUnet1D(**UNETS[name]).cuda().eval().to(dtype)
+        sample = torch.randn(batch, HORIZON, 2, device="cuda", dtype=dtype)
+        cond = torch.randn(batch, UNETS[name]["global_cond_dim"], device="cuda", dtype=dtype)
+        timestep = torch.full((batch,), 10, device="cuda")
+        activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        with torch.inference_mode():
+            for _ in range(3):
+                unet(sample, timestep, global_cond=cond)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=activities, record_shapes=by_shape) as prof:
+                for _ in range(forwards):
+                    unet(sample, timestep, global_cond=cond)
+                torch.cuda.synchronize()
+        by_kernel = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel[event.name[:90]][0] += event.device_time_total / forwards
+                by_kernel[event.name[:90]][1] += 1
+        total = sum(us for us, _ in by_kernel.values())
+        print(f"== {name} {str(dtype)[6:]} B{batch} forward: {total:.1f} us of kernels")
+        for kernel, (us, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:14]:
+            print(f"{us:8.1f} us {calls // forwards:4d}x  {kernel}")
+        if by_shape:
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="device_time_total", row_limit=22, max_name_column_width=30,
+                max_shapes_column_width=70))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--by-shape", action="store_true", help="also the per-op table by input shapes")
+    parser.add_argument("--side-stream", action="store_true",
+                        help="time the shortcut blocks and forwards with and without the side stream instead")
+    parser.add_argument("--taps-as-rows", action="store_true",
+                        help="time the GroupNorm convs' GEMMs with the taps as weight rows instead")
+    args = parser.parse_args()
+    if args.taps_as_rows:
+        taps_as_rows_table()
+    elif args.side_stream:
+        side_stream_table()
+    else:
+        kernel_breakdown(args.batch, getattr(torch, args.dtype), args.by_shape)
+
+
+if __name__ == "__main__":
+    main()

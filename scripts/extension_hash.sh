@@ -1,9 +1,0 @@
-#!/usr/bin/env bash
-# Prints a hash of what the compiled extension is built from (its sources, the build settings,
-# the GPU archs asked for): a carried build (scripts/build_for_device.sh) is used only where
-# this matches.
-cd "$(dirname "$0")/.."
-# The C locale: the glob's order (and so the hash) must not depend on the machine's collation.
-export LC_ALL=C
-{ cat csrc/* setup.py pyproject.toml diffusion_policy_accelerated/_extension.py; echo "${TORCH_CUDA_ARCH_LIST:-9.0}"; } |
-  sha256sum | cut -d' ' -f1

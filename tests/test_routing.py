@@ -1,0 +1,144 @@
+"""The kernel configuration (routing.KernelConfig, kernel_config) and the route rules."""
+import threading
+
+import pytest
+import torch
+
+import diffusion_policy_accelerated as dpa
+from diffusion_policy_accelerated import ops, routing
+from diffusion_policy_accelerated.model import ConditionalUnet1D
+from diffusion_policy_accelerated.routing import KernelConfig, current_kernel_config, explain, kernel_config
+
+
+def test_defaults_and_package_exports():
+    assert dpa.KernelConfig is KernelConfig and dpa.kernel_config is kernel_config
+    assert current_kernel_config() == KernelConfig() == routing.DEFAULT
+    assert KernelConfig().gemm_min_positions == 32
+
+
+@pytest.mark.parametrize("field,value,error,text", [
+    ("gemm_min_positions", 0, ValueError, "KernelConfig.gemm_min_positions must be in [1, 2**63), got 0"),
+    ("gemm_min_positions", 2 ** 63, ValueError, "KernelConfig.gemm_min_positions must be in [1, 2**63)"),
+    ("gemm_min_positions", 3.0, TypeError, "KernelConfig.gemm_min_positions must be an int, got 3.0"),
+    ("gemm_min_positions", True, TypeError, "KernelConfig.gemm_min_positions must be an int, got True"),
+    ("side_stream_fp32_max_positions", -1, ValueError, "KernelConfig.side_stream_fp32_max_positions must be in"),
+    ("clusters", 1, TypeError, "KernelConfig.clusters must be a bool, got 1"),
+    ("pdl", "no", TypeError, "KernelConfig.pdl must be a bool, got 'no'"),
+    ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
+])
+def test_bad_values_name_the_field(field, value, error, text):
+    with pytest.raises(error, match=text.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        KernelConfig(**{field: value})
+    with pytest.raises(error):
+        with kernel_config(**{field: value}):
+            pass
+    assert current_kernel_config() == KernelConfig()
+
+
+def test_unknown_fields_and_bad_config():
+    with pytest.raises(TypeError, match=r"kernel_config: unknown fields \['cluster'\]"):
+        with kernel_config(cluster=False):
+            pass
+    with pytest.raises(TypeError, match="config must be a KernelConfig, got dict"):
+        with kernel_config({"clusters": False}):
+            pass
+
+
+def test_nesting_restores_even_on_error():
+    with kernel_config(clusters=False) as outer:
+        assert outer == current_kernel_config() == KernelConfig(clusters=False)
+        with kernel_config(gemm_min_positions=5):
+            assert current_kernel_config() == KernelConfig(clusters=False, gemm_min_positions=5)
+        assert current_kernel_config() == outer
+        with pytest.raises(RuntimeError, match="inside"):
+            with kernel_config(KernelConfig(pdl=False)):
+                assert current_kernel_config() == KernelConfig(pdl=False)
+                raise RuntimeError("inside")
+        assert current_kernel_config() == outer
+    assert current_kernel_config() == KernelConfig()
+
+
+def test_a_threads_config_is_its_own():
+    seen = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def worker():
+        with kernel_config(gemm_min_positions=7):
+            entered.set()
+            release.wait(10)
+            seen["worker"] = current_kernel_config().gemm_min_positions
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert entered.wait(10)
+    seen["main"] = current_kernel_config().gemm_min_positions
+    release.set()
+    thread.join(10)
+    assert seen == {"worker": 7, "main": 32}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_ops_read_the_threads_config():
+    """The extension reads the calling thread's configuration at launch: with
+    gemm_min_positions 1 a batch-1 conv takes the GEMM route (an im2col launch shows in the
+    profiler), by default it streams; another thread's override does not leak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(1, 64, 8, device="cuda")
+    w = torch.randn(64, 64, 3, device="cuda")
+
+    def kernels():
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            ops.conv1d(x, w, None, 1, 1)
+            torch.cuda.synchronize()
+        return " ".join(e.name for e in prof.events())
+
+    with kernel_config(gemm_min_positions=1):
+        assert "im2col" in kernels()
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(names=kernels()))
+        thread.start()
+        thread.join(60)
+        assert "im2col" not in result["names"]
+    assert "im2col" not in kernels()
+
+
+def test_explain_names_every_conv_and_its_route():
+    torch.manual_seed(0)
+    unet = ConditionalUnet1D(2, global_cond_dim=8, down_dims=[32, 64, 128], kernel_size=5)
+    convs = [m for m in unet.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))]
+    routes = explain(unet, 1, 16, device="cuda")
+    # Every conv once, except local_cond's encoder (none here).
+    assert len(routes) == len(convs)
+    assert {r.route for r in routes} == {"streaming", "streaming, paired"}
+    assert all("gemm_min_positions 32" in r.why for r in routes)
+    routes = explain(unet, 64, 16, dtype=torch.bfloat16, device="cuda")
+    block_convs = [r for r in routes if ".blocks." in r.module]
+    assert block_convs and all(r.route.startswith("GEMM, block op") for r in block_convs)
+    assert any("taps-major" in r.route for r in block_convs)
+    with kernel_config(gemm_min_positions=1 << 40):
+        assert all(r.route.startswith("streaming") for r in explain(unet, 64, 16, device="cuda"))
+    assert {r.route for r in explain(unet, 3, 16, device="cpu")} == {"CPU"}
+    with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):
+        explain(torch.nn.Linear(2, 2), 1, 16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (3, torch.bfloat16), (8, torch.float32),
+                                         (2, torch.float16), (64, torch.bfloat16)], ids=str)
+def test_explain_matches_what_the_model_runs(batch, dtype, monkeypatch):
+    """The residual blocks explain() calls block ops are those the model runs as one
+    dpa::residual_block (at batch 3 in half precision only the large ones)."""
+    torch.manual_seed(0)
+    unet = ConditionalUnet1D(2, global_cond_dim=8, down_dims=[256, 512, 1024], kernel_size=5,
+                             cond_predict_scale=True).cuda().to(dtype).eval()
+    calls = []
+    real = ops.residual_block
+    monkeypatch.setattr(ops, "residual_block", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    with torch.inference_mode():
+        unet(torch.randn(batch, 16, 2, device="cuda", dtype=dtype), 5,
+             global_cond=torch.randn(batch, 8, device="cuda", dtype=dtype))
+    routes = explain(unet, batch, 16)
+    explained = [r for r in routes if r.module.endswith("blocks.0.block.0") and "block op" in r.route]
+    assert len(explained) == len(calls)
