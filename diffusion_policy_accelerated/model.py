@@ -563,7 +563,8 @@ def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -
     call of one forward pass, in call order: the shapes the fused op serves for this U-Net
     and horizon. Found by running the model, so any configuration works; a model built under
     `torch.device("meta")` answers instantly."""
-    device = next(unet.parameters()).device
+    parameter = next(unet.parameters())
+    like = dict(device=parameter.device, dtype=parameter.dtype)
     calls = []
     # A block given a shortcut returns (its output, the shortcut's).
     # The up path's blocks get their skip connection as a keyword (see Conv1dBlock.forward).
@@ -582,9 +583,9 @@ def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -
     unet.use_fused_ops = False
     try:
         with torch.no_grad():
-            unet(torch.zeros(batch, horizon, input_dim, device=device), 0,
-                 local_cond=None if local_dim is None else torch.zeros(batch, horizon, local_dim, device=device),
-                 global_cond=torch.zeros(batch, global_dim, device=device) if global_dim else None)
+            unet(torch.zeros(batch, horizon, input_dim, **like), 0,
+                 local_cond=None if local_dim is None else torch.zeros(batch, horizon, local_dim, **like),
+                 global_cond=torch.zeros(batch, global_dim, **like) if global_dim else None)
     finally:
         unet.use_fused_ops = fused
         for hook in hooks:

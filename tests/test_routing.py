@@ -120,6 +120,8 @@ def test_explain_names_every_conv_and_its_route():
     with kernel_config(gemm_min_positions=1 << 40):
         assert all(r.route.startswith("streaming") for r in explain(unet, 64, 16, device="cuda"))
     assert {r.route for r in explain(unet, 3, 16, device="cpu")} == {"CPU"}
+    # A half-precision model's shapes are found with inputs of its dtype.
+    assert explain(unet.to(torch.bfloat16), 64, 16, device="cuda") == routes
     with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):
         explain(torch.nn.Linear(2, 2), 1, 16)
 
