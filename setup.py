@@ -36,10 +36,9 @@ class PersistentBuildExtension(BuildExtension):
 
     def build_extensions(self):
         count = len(self.extensions[0].sources)
-        jobs = os.environ.get("MAX_JOBS") or os.cpu_count()
-        print(f"diffusion_policy_accelerated: compiling {count} sources with {jobs} jobs into {self.build_temp} "
-              "(the first CUDA build takes about 5 minutes on 2 cores for the default archs; later "
-              "builds recompile only what changed)", flush=True)
+        print(f"diffusion_policy_accelerated: compiling {count} sources into {self.build_temp} (the "
+              "first CUDA build takes about 4 minutes on 2 cores for the default archs; later builds "
+              "recompile only what changed; MAX_JOBS limits parallel compiles)", flush=True)
         super().build_extensions()
 
 

@@ -20,8 +20,8 @@ A conv of the U-Net takes one of these routes:
 `explain(unet, batch, horizon)` lists every conv of a forward with its route and the reason;
 `python -m diffusion_policy_accelerated.routing --unet lowdim --batch 1 8 64` prints it.
 
-The thresholds below were measured on an H100 80GB (torch 2.11.0+cu130); BENCHMARKS.md,
-"Route crossover", has the sweep and its command. The kernel configuration is read when an op
+The thresholds below were measured on an H100 80GB (torch 2.11.0+cu130): BENCHMARKS.md,
+"Route crossover", has the sweep and its command, docs/tried.md the A/Bs behind the rest. The kernel configuration is read when an op
 launches and when a CUDA graph captures one (GraphedSampler captures again when it changes).
 """
 import argparse

@@ -20,14 +20,14 @@ namespace cg = cooperative_groups;
 // block the same way, and each block merges them and applies the epilogue to its share:
 // no workspace, counters, finishing block or cluster-wide barrier on the way, each exchange
 // one one-way trip. (The finishing block's dependent global round trips cost 5-7 µs per
-// layer beyond streaming: BENCHMARKS.md.)
+// layer beyond streaming: docs/tried.md, "One thread-block cluster per GroupNorm group".)
 
 // Waits for the previous kernel (FiLM and the residual may come from it), then prefetches a
 // thread's epilogue inputs and bias into L1, to be loaded once its sums are pushed. Loading
 // them here would hold them in registers through the staging and streaming, and in half
 // precision their conversions (or, where registers run short, their spills) make the thread
 // wait for the loads before it stages its input (bf16 blocks' waits ended up to 0.5 µs later
-// than fp32's: BENCHMARKS.md).
+// than fp32's: docs/tried.md, "Epilogue inputs only prefetched into L1").
 template <typename T>
 struct WaitThenPrefetchEpilogue {
   const StreamArgs& a;

@@ -171,7 +171,7 @@ struct Im2col {
 // The GroupNorm epilogue holds a group of up to kHeldPerThread * kThreads elements (every
 // U-Net group of horizon 16) in registers, with its epilogue inputs, and runs both statistics
 // passes on them: re-reading them were dependent L2 round trips, on a kernel that is all
-// latency (~6 µs a launch at batch 64, BENCHMARKS.md "GEMM route"). Few enough held that a
+// latency (~6 µs a launch at batch 64; docs/tried.md, "im2col on a 2-D grid"). Few enough held that a
 // batch 64 U-Net's blocks are resident at once.
 constexpr int kHeldPerThread = 4;
 

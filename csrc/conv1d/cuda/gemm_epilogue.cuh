@@ -194,14 +194,15 @@ __global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArg
 
 // blockIdx.x picks positions, blockIdx.y rows, so that each element costs 32-bit arithmetic
 // only: one 64-bit division per element made this kernel instruction-bound (~7 µs a launch
-// at batch 64, BENCHMARKS.md). A thread's rows are loaded together, then stored: one round
-// trip of latency for all of them. One launch, where ATen's pad, unfold and reshape took two
-// copies.
+// at batch 64; docs/tried.md, "im2col on a 2-D grid"). A thread's rows are loaded together,
+// then stored: one round trip of latency for all of them. One launch, where ATen's pad,
+// unfold and reshape took two copies.
 constexpr int kIm2colRowsPerThread = 8;
 
 // kSplit: channels from x_split on (a concatenation read in place) come from x2; a template
 // argument because choosing per element cost this instruction-bound kernel about 1.5% of a
-// batch 64 half-precision step (BENCHMARKS.md), convs without a concatenation included.
+// batch 64 half-precision step (docs/tried.md, "No PyTorch kernel between steps"), convs
+// without a concatenation included.
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, const Im2col cut,
                                                           int rows, T* __restrict__ cols) {

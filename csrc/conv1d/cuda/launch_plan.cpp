@@ -117,7 +117,8 @@ bool cluster_shape(const StreamArgs& a, bool vectorised, int splits, std::option
   // Where a block's first stream_depth<T>() loads per lane and row cover its whole slice, the
   // weights come through registers. Longer slices stream through the shared-memory ring: with
   // one block per SM where split-K has two, registers alone would keep half the bytes in
-  // flight, which on those slices cost more than the shorter finishing saves (BENCHMARKS.md).
+  // flight, which on those slices cost more than the shorter finishing saves (docs/tried.md,
+  // "Long slices' weights through a shared-memory ring").
   shape.bulk = bulk.value_or(shape.split_len > stream_depth<T>() * granule);
   shape.stages = 0;
   if (shape.bulk) {

@@ -9,7 +9,7 @@ namespace dpa {
 
 // Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
 // in split order (deterministic), kBatch loads in flight at a time. (Batching 16 splits of two
-// elements at once measured slower on an H100: BENCHMARKS.md.)
+// elements at once measured slower on an H100: docs/tried.md, "Finishing block".)
 __device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
   constexpr int kBatch = 8;
   const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
@@ -27,7 +27,8 @@ __device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset,
 // Complete pre-activations of an output tile, pre(c, n) with n = b * L_out + l: in the
 // finishing block's shared memory or in the workspace (written by other blocks: read through
 // L2); or in a cuBLAS result. One type for both streaming cases, so that the finishing code
-// exists once per kernel (one copy per source made it ~110 KB of SASS: BENCHMARKS.md).
+// exists once per kernel (one copy per source made it ~110 KB of SASS: docs/tried.md,
+// "Compact finishing code").
 struct TilePre {
   const float* shared;  // [c - c_lo][n], or null: in the workspace
   const float* ws;

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 // unit's channels [q * share, ...)); each owner adds up the splits in order, folds the taps
 // into positions and stores. No workspace, counters or finishing block: the split-K kernel's
 // finishing block, an L2 round trip per tap of each of its outputs, made the U-Nets'
-// upsampling 12-15 µs a launch (BENCHMARKS.md).
+// upsampling 12-15 µs a launch (docs/tried.md, "Clusters instead of split-K finishing").
 template <typename T, int NT, int EPL>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     stream_transposed_cluster_kernel(const StreamArgs a) {
