@@ -161,6 +161,11 @@ def _read_payload(path: Path) -> dict:
     except ModuleNotFoundError as error:
         raise ImportError(f"unpickling {path} needs the module {error.name!r}, which is not "
                           f"installed: {error}") from error
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, AttributeError, IndexError) as error:
+        # What torch.load raises for a file that is not a whole torch checkpoint: truncated,
+        # corrupt, or another format (its zip reader's RuntimeError, the unpickler's errors).
+        raise ValueError(f"path: {path} is not a readable Diffusion Policy checkpoint (a corrupt, "
+                         f"truncated or foreign file?): {type(error).__name__}: {error}") from error
     if not isinstance(payload, Mapping) or not isinstance(payload.get("state_dicts"), Mapping):
         raise ValueError(f"{path} is not a Diffusion Policy workspace checkpoint: expected a dict "
                          f"with 'cfg' and 'state_dicts' (BaseWorkspace.save_checkpoint), got "

@@ -433,6 +433,9 @@ class ConditionalUnet1D(nn.Module):
             nn.Conv1d(start_dim, input_dim, 1),
         )
 
+        # What forward's inputs must be (check_inputs).
+        self.input_dim, self.local_cond_dim, self.global_cond_dim = input_dim, local_cond_dim, global_cond_dim
+        self.down_dims = list(down_dims)
         self.diffusion_step_encoder = diffusion_step_encoder
         self.local_cond_encoder = local_cond_encoder
         self.up_modules = up_modules
@@ -489,6 +492,44 @@ class ConditionalUnet1D(nn.Module):
                 per_observation[module] = linear.weight[:, dsed:]
         return per_step, per_observation
 
+    @property
+    def horizon_multiple(self) -> int:
+        """Horizons must be multiples of this: each of the len(down_dims) - 1 downsamplings
+        halves the length, and the up path concatenates each level's skip connection again."""
+        return 2 ** (len(self.down_dims) - 1)
+
+    def check_inputs(self, sample_shape: Sequence[int], local_cond: Optional[torch.Tensor] = None,
+                     global_cond: Optional[torch.Tensor] = None, *, with_global_cond: bool = True,
+                     sample_name: str = "sample") -> None:
+        """Raises ValueError, naming the argument and what this U-Net expects, where forward's
+        inputs do not fit it: sample [B, T, input_dim] with T a multiple of horizon_multiple,
+        global_cond [B, global_cond_dim] exactly when built with global_cond_dim (unless
+        `with_global_cond` is False: FiLM computed by the caller), local_cond
+        [B, T, local_cond_dim] exactly when built with local_cond_dim. `sample_name`: what the
+        caller calls the sample, for the messages."""
+        shape = tuple(sample_shape)
+        if len(shape) != 3 or shape[2] != self.input_dim or shape[0] < 1:
+            raise ValueError(f"{sample_name} must be [batch, horizon, input_dim={self.input_dim}], got {list(shape)}")
+        batch, horizon = shape[0], shape[1]
+        if horizon < 1 or horizon % self.horizon_multiple:
+            raise ValueError(f"the horizon ({sample_name}.shape[1]) must be a positive multiple of "
+                             f"{self.horizon_multiple} for this U-Net ({len(self.down_dims)} levels, "
+                             f"down_dims {self.down_dims}: each downsampling halves it), got {horizon}")
+        checks = [("local_cond", local_cond, self.local_cond_dim, (batch, horizon))]
+        if with_global_cond:
+            checks.append(("global_cond", global_cond, self.global_cond_dim, (batch,)))
+        for name, value, width, want in checks:
+            if width is None and value is not None:
+                raise ValueError(f"{name} was given, but this U-Net was built without {name}_dim")
+            if width is not None:
+                expected = list(want) + [width]
+                if value is None:
+                    raise ValueError(f"{name} is required: this U-Net was built with {name}_dim={width}; "
+                                     f"pass a tensor of shape {expected}")
+                if list(value.shape) != expected:
+                    raise ValueError(f"{name} must be {expected} ({name}_dim={width}) for sample "
+                                     f"{list(shape)}, got {list(value.shape)}")
+
     def forward(self, sample: torch.Tensor, timestep: Union[torch.Tensor, float, int],
                 local_cond: Optional[torch.Tensor] = None,
                 global_cond: Optional[torch.Tensor] = None, *,
@@ -501,7 +542,9 @@ class ConditionalUnet1D(nn.Module):
         `film_embeddings` maps every `ConditionalResidualBlock1D` to its `cond_encoder`
         output for this timestep and `global_cond`, computed by the caller (see
         `film_embedding_tables`); `timestep` and `global_cond` are then unused.
+        Inputs that do not fit the U-Net raise ValueError (check_inputs) before anything runs.
         """
+        self.check_inputs(sample.shape, local_cond, global_cond, with_global_cond=film_embeddings is None)
         sample = sample.transpose(1, 2)  # [B, input_dim, T]
 
         global_feature = None

@@ -150,17 +150,7 @@ class GraphedSampler:
             raise ValueError(f"condition_mask must be a bool tensor shaped like condition_data "
                              f"{list(condition_data.shape)}, got {condition_mask.dtype} "
                              f"{list(condition_mask.shape)}")
-        input_dim = self.unet.final_conv[1].out_channels
-        if condition_data.shape[2] != input_dim:
-            raise ValueError(f"condition_data's last dim must be the U-Net's input_dim {input_dim}, "
-                             f"got {condition_data.shape[2]}")
-        expects_global = self._film_weight.shape[1] > 0
-        if (global_cond is not None) != bool(expects_global):
-            raise ValueError("global_cond must be given exactly when the U-Net was built with "
-                             "global_cond_dim")
-        if (local_cond is not None) != (self.unet.local_cond_encoder is not None):
-            raise ValueError("local_cond must be given exactly when the U-Net was built with "
-                             "local_cond_dim")
+        self.unet.check_inputs(condition_data.shape, local_cond, global_cond, sample_name="condition_data")
         if noise is not None and noise.shape != (self.num_steps + 1,) + tuple(condition_data.shape):
             raise ValueError(f"noise must be [{self.num_steps + 1}, *condition_data.shape], got "
                              f"{list(noise.shape)}")

@@ -9,6 +9,7 @@ expected results are Diffusion Policy's conditional_sample / predict_action step
 here with the reference U-Net and diffusers' schedulers.
 """
 import pickle
+import re
 import sys
 import warnings
 
@@ -492,6 +493,26 @@ def test_not_a_workspace_checkpoint(tmp_path):
         load_checkpoint(tmp_path / "b.ckpt")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "a legacy pickle cut short", "empty"])
+def test_corrupt_checkpoint_file(tmp_path, damage):
+    """A file that is not a whole checkpoint raises one ValueError naming it, not the
+    unpickler's or zip reader's own error."""
+    path, *_ = make_checkpoint(tmp_path)
+    data = path.read_bytes()
+    bad = tmp_path / "bad.ckpt"
+    if damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        bad.write_bytes(bytes(range(256)) * 64)
+    elif damage == "a legacy pickle cut short":
+        bad.write_bytes(pickle.dumps({"cfg": 1, "state_dicts": {}})[:-5])
+    else:
+        bad.write_bytes(b"")
+    with pytest.raises(ValueError, match=f"path: {re.escape(str(bad))} is not a readable Diffusion Policy "
+                                         "checkpoint"):
+        load_checkpoint(bad, device="cpu")
+
+
 def test_transformer_policy_is_refused(tmp_path):
     cfg, _ = workspace_cfg()
     cfg["policy"]["_target_"] = ("diffusion_policy.policy.diffusion_transformer_lowdim_policy."
@@ -557,5 +578,5 @@ def test_sample_argument_errors(tmp_path):
     with pytest.raises(ValueError, match="condition_mask without condition_data"):
         ck.sample(global_cond=torch.zeros(1, 2 * OBS_DIM),
                   condition_mask=torch.zeros(1, 16, 2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="global_cond must be given"):
+    with pytest.raises(ValueError, match="global_cond is required: this U-Net was built with global_cond_dim="):
         ck.sample()

@@ -4,6 +4,7 @@ Compatibility is proven against `dp_reference.RefUnet`, a plain-PyTorch rewrite 
 Policy's module tree written independently of the package under test.
 """
 import copy
+import re
 import functools
 import subprocess
 import sys
@@ -542,3 +543,28 @@ def test_conv1d_block_shapes_lists_every_fused_call():
     assert shapes[0] == (3, 2, 32, 16, 5, 8)          # input_dim -> down_dims[0], full horizon
     assert shapes[-1] == (3, 32, 32, 16, 5, 8)         # final block: n_groups is always 8
     assert (3, 128, 128, 4, 5, 8) in shapes            # the mid blocks run at horizon / 4
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("change,text", [
+    (dict(global_cond=torch.zeros(3, 39)), re.escape("global_cond must be [3, 40] (global_cond_dim=40) for sample "
+                                                     "[3, 16, 2], got [3, 39]")),
+    (dict(global_cond=None), re.escape("global_cond is required: this U-Net was built with global_cond_dim=40; "
+                                       "pass a tensor of shape [3, 40]")),
+    (dict(local_cond=torch.zeros(3, 16, 4)), re.escape("local_cond must be [3, 16, 5] (local_cond_dim=5)")),
+    (dict(local_cond=None), re.escape("local_cond is required: this U-Net was built with local_cond_dim=5")),
+    (dict(sample=torch.zeros(3, 10, 2)), re.escape("the horizon (sample.shape[1]) must be a positive multiple of 4 "
+                                                   "for this U-Net (3 levels, down_dims [32, 64, 128]")),
+    (dict(sample=torch.zeros(3, 16, 3)), re.escape("sample must be [batch, horizon, input_dim=2], got [3, 16, 3]")),
+])
+def test_inputs_that_do_not_fit_the_unet(device, change, text):
+    """Inputs of the wrong width or a horizon the U-Net cannot halve raise one ValueError in the
+    model's terms before any op runs."""
+    unet = ConditionalUnet1D(2, local_cond_dim=5, global_cond_dim=40, down_dims=[32, 64, 128],
+                             kernel_size=5).to(device).eval()
+    args = dict(sample=torch.zeros(3, 16, 2), local_cond=torch.zeros(3, 16, 5), global_cond=torch.zeros(3, 40))
+    args.update(change)
+    args = {k: None if v is None else v.to(device) for k, v in args.items()}
+    with torch.profiler.profile() as prof, pytest.raises(ValueError, match=text):
+        unet(args["sample"], 5, local_cond=args["local_cond"], global_cond=args["global_cond"])
+    assert not [e.name for e in prof.events() if e.name.startswith(("dpa::", "aten::conv", "aten::linear"))]

@@ -1,5 +1,7 @@
 """GraphedSampler: the hoisted (and, on CUDA, graph-captured) loop against Diffusion Policy's
 eager loop with the plain-PyTorch U-Net."""
+import re
+
 import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
@@ -138,9 +140,13 @@ def test_cuda_call_is_one_graph_replay():
     (dict(condition_data=torch.zeros(16, 2)), ValueError, "condition_data must be"),
     (dict(condition_mask=torch.zeros(1, 16, 2)), ValueError, "condition_mask must be a bool"),
     (dict(condition_data=torch.zeros(1, 16, 3), condition_mask=torch.zeros(1, 16, 3, dtype=torch.bool)),
-     ValueError, "input_dim 2"),
-    (dict(global_cond=None), ValueError, "global_cond must be given"),
-    (dict(local_cond=torch.zeros(1, 16, 3)), ValueError, "local_cond must be given"),
+     ValueError, re.escape("condition_data must be [batch, horizon, input_dim=2], got [1, 16, 3]")),
+    (dict(condition_data=torch.zeros(1, 14, 2), condition_mask=torch.zeros(1, 14, 2, dtype=torch.bool)),
+     ValueError, re.escape("the horizon (condition_data.shape[1]) must be a positive multiple of 4")),
+    (dict(global_cond=None), ValueError, "global_cond is required: this U-Net was built with global_cond_dim="),
+    (dict(global_cond=torch.zeros(1, 5)), ValueError, r"global_cond must be \[1, \d+\] \(global_cond_dim="),
+    (dict(local_cond=torch.zeros(1, 16, 3)), ValueError,
+     "local_cond was given, but this U-Net was built without local_cond_dim"),
     (dict(noise=torch.zeros(3, 1, 16, 2)), ValueError, "noise must be"),
 ])
 def test_bad_input_raises(bad, error, text):
