@@ -1,5 +1,11 @@
 """conv1d_gn_mish against a float64 PyTorch reference, on CPU and (where present) CUDA."""
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -358,3 +364,50 @@ def test_launch_trace(clusters):
         ops._C.start_launch_trace(torch.zeros(8, 9, device="cuda"))
     with pytest.raises(ValueError, match=r"\[rows, 9\]"):
         ops._C.start_launch_trace(torch.zeros(8, 5, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("length", [1, 3, 4, 8, 16, 37])
+def test_mish_over_its_whole_range(device, dtype, length):
+    """GroupNorm's affine scaled so that Mish sees -150..150: its saturation on both sides (the
+    CPU kernels' exp clamps at -87 and 88, their Mish at 20), at row lengths the CPU epilogue
+    takes packed, by rows and with tails."""
+    g = torch.Generator().manual_seed(length)
+    shape = (3, 16, 48, length, 3, 4)
+    x, w, b, _, _ = make_inputs(shape, dtype, device, g)
+    gamma = (torch.linspace(-60, 60, 48) + 0.5).to(device, dtype)
+    beta = torch.linspace(-90, 90, 48).to(device, dtype)
+    film = (torch.randn(3, 96, generator=g)).to(device, dtype)
+    residual = torch.randn(3, 48, length, generator=g).to(device, dtype)
+    out = ops.conv1d_gn_mish(x, w, b, gamma, beta, 4, film=film, residual=residual)
+    expected = reference(x, w, b, gamma, beta, 4, film, residual)
+    # Outputs reach ~1e4: the tolerance is relative to them.
+    torch.testing.assert_close(out.cpu().double(), expected, atol=TOLERANCES[dtype]["atol"] * 100,
+                               rtol=TOLERANCES[dtype]["rtol"])
+
+
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_cpu_epilogue_at_every_vector_width(lanes):
+    """The CPU epilogue is compiled for 4 (SSE2, NEON), 8 (AVX2) and 16 (AVX-512) lanes and runs
+    the widest the CPU has; DPA_CPU_VECTOR_LANES narrows it, so that this CPU checks the widths
+    other CPUs take (a width it lacks falls back to a narrower one)."""
+    code = textwrap.dedent("""
+        import torch
+        from test_conv1d_gn_mish import ODD_SHAPES, UNET_SHAPES, check, film_and_residual, make_inputs, reference
+        from test_conv1d_gn_mish import TOLERANCES
+        from diffusion_policy_accelerated import ops
+        for shape in ODD_SHAPES + UNET_SHAPES[:6]:
+            for dtype in (torch.float32, torch.bfloat16):
+                check(shape, dtype, "cpu")
+                g = torch.Generator().manual_seed(1)
+                x, w, b, gamma, beta = make_inputs(shape, dtype, "cpu", g)
+                film, residual = film_and_residual(shape, dtype, "cpu", g, "scale+bias")
+                out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
+                torch.testing.assert_close(out.double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
+                                           **TOLERANCES[dtype])
+    """)
+    env = dict(os.environ, DPA_CPU_VECTOR_LANES=str(lanes))
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
