@@ -13,6 +13,7 @@ _EXPORTS = {
     "DenoiseSchedule": "schedulers",
     "accelerate": "integration",
     "load_checkpoint": "checkpoint",
+    "load_lerobot_pretrained": "lerobot",
     "conv1d_gn_mish": "ops",
     "denoise_step": "ops",
     "built_with_cuda": "ops",

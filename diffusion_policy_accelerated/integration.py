@@ -119,8 +119,9 @@ class _AcceleratedConditionalSample:
 
 
 def accelerate(policy, dtype: Optional[torch.dtype] = None):
-    """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) sample with this
-    package, in place, and return it.
+    """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) or a LeRobot
+    DiffusionPolicy (see `diffusion_policy_accelerated.lerobot`) sample with this package, in
+    place, and return it.
 
     `policy.model` becomes this package's `ConditionalUnet1D` with the same weights (so
     `policy.state_dict()` keeps its keys), converted to `dtype` if given (e.g.
@@ -134,19 +135,23 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     changing `num_inference_steps` are followed; changing the U-Net's weights is not: the
     sampler tabulates parts of the U-Net.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    from . import lerobot  # here: it reads checkpoint.py, which reads this module
+
+    if lerobot.is_lerobot_policy(policy):
+        return lerobot.accelerate_lerobot(policy, dtype)
     missing = [name for name in POLICY_ATTRIBUTES if not hasattr(policy, name)]
     if missing:
         raise TypeError(f"{type(policy).__name__} has no {missing}: accelerate() takes a Diffusion "
                         f"Policy U-Net policy (DiffusionUnetLowdimPolicy, DiffusionUnetImagePolicy "
-                        f"or DiffusionUnetHybridImagePolicy)")
+                        f"or DiffusionUnetHybridImagePolicy) or LeRobot's DiffusionPolicy")
     if "_dpa_original_model" in vars(policy):
         raise ValueError("this policy is already accelerated (its original U-Net is "
                          "policy._dpa_original_model); accelerate a fresh policy instead")
     if policy.training:
         raise ValueError("the policy is in training mode: call policy.eval() before accelerate(), "
                          "which is for inference")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     unet = unet_from_diffusion_policy(policy.model).eval()
     if dtype is not None:
         unet = unet.to(dtype=dtype)

@@ -82,13 +82,20 @@ class GraphedSampler:
                  local_cond: Optional[torch.Tensor] = None,
                  global_cond: Optional[torch.Tensor] = None,
                  generator: Optional[torch.Generator] = None,
-                 noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 noise: Optional[torch.Tensor] = None,
+                 initial_noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`noise` ([steps + 1, *condition_data.shape]) fixes all the noise; `initial_noise`
+        (condition_data's shape) only the initial trajectory, drawn by a caller whose loop
+        draws it otherwise (LeRobot's), the steps' noise then drawn as usual."""
         self._check_inputs(condition_data, condition_mask, local_cond, global_cond, noise)
         shape = condition_data.shape
+        if initial_noise is not None and (noise is not None or initial_noise.shape != shape):
+            raise ValueError(f"initial_noise must be shaped like condition_data {list(shape)} and not given "
+                             f"with noise, got {list(initial_noise.shape)}" + (" and noise" if noise is not None else ""))
         if noise is None:
             # Diffusion Policy's own first draw, then one draw for all the steps' noise.
             like = dict(device=condition_data.device, dtype=condition_data.dtype)
-            initial = torch.randn(shape, generator=generator, **like)
+            initial = torch.randn(shape, generator=generator, **like) if initial_noise is None else initial_noise.to(**like)
             steps_shape = (self.num_steps,) + tuple(shape)
             # Draw step noise only if a step uses it, so that DDIM with eta = 0 consumes the
             # generator exactly as Diffusion Policy does.

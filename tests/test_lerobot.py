@@ -1,0 +1,246 @@
+"""LeRobot's DiffusionPolicy against its own code: the U-Net key mapping, accelerate(policy) and
+load_lerobot_pretrained. Needs LeRobot's real modeling code (requirements-lerobot.txt, installed
+by .ci/run); skipped without it."""
+import copy
+import json
+
+import pytest
+import torch
+
+modeling = pytest.importorskip("lerobot.policies.diffusion.modeling_diffusion",
+                               reason="LeRobot is not installed (requirements-lerobot.txt)")
+from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
+from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig  # noqa: E402
+
+import diffusion_policy_accelerated as dpa  # noqa: E402
+from diffusion_policy_accelerated import lerobot as dpa_lerobot  # noqa: E402
+from conftest import DEVICES  # noqa: E402
+
+# fp32 actions against LeRobot's fp32 loop on the same noise (DDIM with few steps: with many,
+# LeRobot's own fp32 loop is that far from fp64 at the last steps' alphas).
+TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=True, n_groups=8, image=False,
+                device="cpu", seed=0, scale=3.0):
+    """A small LeRobot DiffusionPolicy: state (2) and environment state (3), or an image, with
+    the U-Net's weights scaled up (`scale`) so that every layer matters."""
+    inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
+    if image:
+        inputs["observation.image"] = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 32, 32))
+    else:
+        inputs["observation.environment_state"] = PolicyFeature(type=FeatureType.ENV, shape=(3,))
+    config = DiffusionConfig(input_features=inputs,
+                             output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(2,))},
+                             down_dims=down_dims, diffusion_step_embed_dim=16, n_groups=n_groups,
+                             use_film_scale_modulation=film_scale, noise_scheduler_type=scheduler,
+                             num_inference_steps=steps, spatial_softmax_num_keypoints=4,
+                             pretrained_backbone_weights=None, horizon=16, n_action_steps=8, device=device)
+    torch.manual_seed(seed)
+    policy = modeling.DiffusionPolicy(config).to(device).eval()
+    with torch.no_grad():
+        for parameter in policy.diffusion.unet.parameters():
+            parameter.mul_(scale)
+    return policy
+
+
+def observations(policy, batch, device, seed=1, steps=True):
+    """A batch for generate_actions ([B, n_obs_steps, ...]) or, steps=False, for select_action."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, policy.config.n_obs_steps) if steps else (batch,)
+    obs = {"observation.state": torch.randn(*shape, 2, generator=g)}
+    if "observation.image" in policy.config.input_features:
+        images = torch.rand(*shape, 3, 32, 32, generator=g)
+        obs["observation.images" if steps else "observation.image"] = images[:, :, None] if steps else images
+    else:
+        obs["observation.environment_state"] = torch.randn(*shape, 3, generator=g)
+    return {k: v.to(device) for k, v in obs.items()}
+
+
+@pytest.mark.parametrize("film_scale,n_groups,down_dims", [(True, 8, (16, 32, 64)), (False, 4, (16, 32)),
+                                                           (True, 8, (8, 16, 32, 64))])
+def test_unet_maps_key_for_key_and_computes_the_same(film_scale, n_groups, down_dims):
+    policy = make_policy(film_scale=film_scale, n_groups=n_groups, down_dims=down_dims)
+    theirs = policy.diffusion.unet
+    ours = dpa_lerobot.unet_from_lerobot(theirs)
+    # The same tensors, not copies.
+    assert {p.data_ptr() for p in ours.parameters()} == {p.data_ptr() for p in theirs.parameters()}
+    # And a strict load of the mapped state_dict into a fresh U-Net.
+    fresh = dpa.ConditionalUnet1D(**{k: getattr(ours, k) for k in ("input_dim", "global_cond_dim")},
+                                  diffusion_step_embed_dim=16, down_dims=list(down_dims), kernel_size=5,
+                                  n_groups=n_groups, cond_predict_scale=film_scale)
+    fresh.load_state_dict(dpa_lerobot.dpa_state_dict(theirs.state_dict()), strict=True)
+    g = torch.Generator().manual_seed(3)
+    sample = torch.randn(3, 16, 2, generator=g)
+    cond = torch.randn(3, ours.global_cond_dim, generator=g)
+    t = torch.tensor([0, 37, 99])
+    with torch.no_grad():
+        expected = theirs(sample, t, global_cond=cond)
+        ours.use_fused_ops = fresh.use_fused_ops = False
+        assert torch.equal(ours(sample, t, global_cond=cond), expected)
+        assert torch.equal(fresh(sample, t, global_cond=cond), expected)
+        ours.use_fused_ops = True
+        torch.testing.assert_close(ours(sample, t, global_cond=cond), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("image", [False, True], ids=["state", "image"])
+def test_ddim_actions_equal_lerobots(device, image):
+    """generate_actions with the same initial noise, and select_action from the same seed
+    (LeRobot draws the initial noise itself): LeRobot's actions, its vision encoder included."""
+    reference = make_policy(image=image, device=device)
+    policy = dpa.accelerate(copy.deepcopy(reference))
+    obs = observations(reference, 5, device)
+    noise = torch.randn(5, 16, 2, generator=torch.Generator().manual_seed(4)).to(device)
+    with torch.no_grad():
+        expected = reference.diffusion.generate_actions(dict(obs), noise=noise)
+        actions = policy.diffusion.generate_actions(dict(obs), noise=noise)
+    assert actions.shape == (5, 8, 2) and actions.dtype == expected.dtype
+    torch.testing.assert_close(actions, expected, **TOLERANCE)
+    step = observations(reference, 5, device, steps=False)
+    reference.reset(), policy.reset()
+    torch.manual_seed(7)
+    expected = reference.select_action(dict(step))
+    torch.manual_seed(7)
+    torch.testing.assert_close(policy.select_action(dict(step)), expected, **TOLERANCE)
+    # The rest of the chunk comes from LeRobot's queue, as before.
+    assert len(policy._queues["action"]) == len(reference._queues["action"]) == 7
+
+
+def test_ddpm_and_num_inference_steps_are_followed():
+    """DDPM samples (its per-step noise has LeRobot's distribution, from one draw), and a changed
+    policy.diffusion.num_inference_steps is followed on the next call."""
+    policy = dpa.accelerate(make_policy(scheduler="DDPM", steps=None))
+    obs = observations(policy, 2, "cpu")
+    with torch.no_grad():
+        actions = policy.diffusion.generate_actions(dict(obs))
+    sampler = policy.diffusion.conditional_sample.sampler
+    assert sampler.schedule.kind == "ddpm" and sampler.num_steps == 100
+    assert actions.shape == (2, 8, 2) and torch.isfinite(actions).all()
+    reference = make_policy(steps=10)
+    accelerated = dpa.accelerate(copy.deepcopy(reference))
+    reference.diffusion.num_inference_steps = accelerated.diffusion.num_inference_steps = 4
+    noise = torch.randn(2, 16, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(accelerated.diffusion.generate_actions(dict(obs), noise=noise),
+                                   reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+    assert accelerated.diffusion.conditional_sample.sampler.num_steps == 4
+
+
+def test_state_dict_and_save_pretrained_stay_lerobots(tmp_path):
+    reference = make_policy()
+    policy = dpa.accelerate(copy.deepcopy(reference))
+    assert list(policy.state_dict()) == list(reference.state_dict())
+    assert sum(p.numel() for p in policy.parameters()) == sum(p.numel() for p in reference.parameters())
+    policy.save_pretrained(tmp_path)
+    loaded = modeling.DiffusionPolicy.from_pretrained(tmp_path)
+    for (key, value), (_, expected) in zip(loaded.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(value.cpu(), expected.cpu()), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_policy_moved_after_accelerate():
+    """policy.to("cuda") after accelerate moves the shared weights; the sampler follows them
+    (and captures a CUDA graph there)."""
+    reference = make_policy()
+    policy = dpa.accelerate(copy.deepcopy(reference)).to("cuda")
+    reference = reference.to("cuda")
+    obs = observations(reference, 3, "cuda")
+    noise = torch.randn(3, 16, 2, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
+                                   reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+    assert policy.diffusion.conditional_sample.sampler.use_cuda_graph
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16(device):
+    """accelerate(policy, dtype=torch.bfloat16): a bf16 copy of the U-Net (LeRobot's own cannot
+    run in bf16: its timestep embedding follows torch's default dtype); actions stay fp32."""
+    reference = make_policy(device=device, scale=1.0)
+    policy = dpa.accelerate(copy.deepcopy(reference), dtype=torch.bfloat16)
+    obs = observations(reference, 3, device)
+    noise = torch.randn(3, 16, 2).to(device)
+    with torch.no_grad():
+        expected = reference.diffusion.generate_actions(dict(obs), noise=noise)
+        actions = policy.diffusion.generate_actions(dict(obs), noise=noise)
+    assert actions.dtype == torch.float32
+    # bf16 weights move actions (in [-1, 1]) by a few 1e-2, as on the benchmark's U-Nets.
+    assert (actions - expected).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("change,error,text", [
+    ("train", ValueError, "the policy is in training mode"),
+    ("twice", ValueError, "this policy is already accelerated"),
+    ("dtype", TypeError, "dtype must be a floating-point torch.dtype or None, got torch.int32"),
+    ("unet", TypeError, "policy.diffusion.unet is a Linear without"),
+])
+def test_bad_policies(change, error, text):
+    policy = make_policy()
+    kwargs = {}
+    if change == "train":
+        policy.train()
+    elif change == "twice":
+        dpa.accelerate(policy)
+    elif change == "dtype":
+        kwargs["dtype"] = torch.int32
+    else:
+        policy.diffusion.unet = torch.nn.Linear(2, 2)
+    with pytest.raises(error, match=text):
+        dpa.accelerate(policy, **kwargs)
+
+
+def test_wrong_initial_noise_is_refused():
+    policy = dpa.accelerate(make_policy())
+    with pytest.raises(ValueError, match=r"noise must be \[batch_size, horizon, action_dim\] = \[2, 16, 2\]"):
+        policy.diffusion.conditional_sample(2, global_cond=torch.zeros(2, 10), noise=torch.zeros(2, 8, 2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_load_pretrained_without_lerobot(tmp_path, device):
+    """A folder save_pretrained wrote, as this package's U-Net and schedule: the same actions
+    as LeRobot's loop for the same global condition and initial noise."""
+    reference = make_policy(device=device)
+    reference.save_pretrained(tmp_path)
+    loaded = dpa.load_lerobot_pretrained(tmp_path, device=device)
+    assert (loaded.horizon, loaded.n_obs_steps, loaded.n_action_steps, loaded.action_dim) == (16, 2, 8, 2)
+    assert loaded.schedule.kind == "ddim" and len(loaded.schedule.timesteps) == 10
+    obs = observations(reference, 4, device)
+    noise = torch.randn(4, 16, 2).to(device)
+    with torch.no_grad():
+        global_cond = reference.diffusion._prepare_global_conditioning(dict(obs))
+        expected = reference.diffusion.generate_actions(dict(obs), noise=noise)
+    torch.testing.assert_close(loaded.predict_action_chunk(global_cond, noise=noise), expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("damage,error,text", [
+    ("no config", FileNotFoundError, "has no config.json"),
+    ("no weights", FileNotFoundError, "has no model.safetensors"),
+    ("not json", ValueError, "is not a JSON config"),
+    ("other policy", ValueError, 'is not a LeRobot diffusion policy\'s config (its "type" is \'act\''),
+    ("scheduler", ValueError, "noise_scheduler_type must be 'DDPM' or 'DDIM', got 'PNDM'"),
+    ("horizon", ValueError, "config.json's horizon must be an int, got '16'"),
+    ("corrupt weights", ValueError, "is not a readable safetensors file"),
+    ("no unet", ValueError, "holds no diffusion.unet.* weights"),
+])
+def test_load_pretrained_bad_folders(tmp_path, damage, error, text):
+    make_policy().save_pretrained(tmp_path)
+    config_path, weights_path = tmp_path / "config.json", tmp_path / "model.safetensors"
+    config = json.loads(config_path.read_text())
+    if damage == "no config":
+        config_path.unlink()
+    elif damage == "no weights":
+        weights_path.unlink()
+    elif damage == "not json":
+        config_path.write_text("{not json")
+    elif damage in ("other policy", "scheduler", "horizon"):
+        config.update({"other policy": {"type": "act"}, "scheduler": {"noise_scheduler_type": "PNDM"},
+                       "horizon": {"horizon": "16"}}[damage])
+        config_path.write_text(json.dumps(config))
+    elif damage == "corrupt weights":
+        weights_path.write_bytes(weights_path.read_bytes()[:100])
+    else:
+        from safetensors.torch import save_file
+        save_file({"other.weight": torch.zeros(2)}, str(weights_path))
+    with pytest.raises(error, match=__import__("re").escape(text)):
+        dpa.load_lerobot_pretrained(tmp_path, device="cpu")
