@@ -1,6 +1,8 @@
 """The reference models the demo, the benchmarks and the routing table run: Diffusion Policy's
 Push-T U-Nets (lowdim: 20-dim observations of 2 steps; image: ResNet features of 2 steps) at
-its horizon of 16, and its noise scheduler."""
+its horizon of 16, LeRobot's default DiffusionPolicy U-Net (Push-T: the 2-dim state and 32
+spatial-softmax keypoints of one camera, 2 steps; LeRobot 0.6 runs it at horizon 64), and the
+noise scheduler both use."""
 
 HORIZON = 16
 UNETS = {
@@ -8,6 +10,8 @@ UNETS = {
                    kernel_size=5, n_groups=8, cond_predict_scale=True),
     "image": dict(input_dim=2, global_cond_dim=1028, diffusion_step_embed_dim=256, down_dims=[512, 1024, 2048],
                   kernel_size=5, n_groups=8, cond_predict_scale=True),
+    "lerobot": dict(input_dim=2, global_cond_dim=132, diffusion_step_embed_dim=128, down_dims=[512, 1024, 2048],
+                    kernel_size=5, n_groups=8, cond_predict_scale=True),
 }
 # Diffusion Policy's noise scheduler arguments, valid for diffusers' DDPMScheduler and
 # DDIMScheduler alike (the rest are their defaults: DDPM's variance_type fixed_small, DDIM's

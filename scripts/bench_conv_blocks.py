@@ -28,8 +28,9 @@ from diffusion_policy_accelerated.configs import UNETS, distinct_block_shapes
 from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, graph_time_ms, weight_copies
 from diffusion_policy_accelerated.routing import kernel_config
 
-# The U-Nets' labels in the table, with their widths.
-WIDTHS = {f"{name} [{','.join(map(str, unet['down_dims']))}]": unet["down_dims"] for name, unet in UNETS.items()}
+# The U-Nets' labels in the table, with their widths (LeRobot's has the image U-Net's).
+WIDTHS = {f"{name} [{','.join(map(str, UNETS[name]['down_dims']))}]": UNETS[name]["down_dims"]
+          for name in ("lowdim", "image")}
 
 
 def main():

@@ -11,8 +11,8 @@ same noise and observations. The floor: the weight bytes one step must read (eve
 device-to-device copy bandwidth measured in the same run. Medians of CUDA-event timings after
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
-    python scripts/benchmark.py [--unet lowdim image] [--batch 1 8 64] [--horizon 16] [--compile]
-                                [--out DIR] [--ours-only]
+    python scripts/benchmark.py [--unet lowdim image lerobot] [--batch 1 8 64] [--horizon 16] [--compile]
+                                [--out DIR] [--ours-only] [--gemm-min-positions N]
 
 --ours-only skips the baselines (a quick A/B of our variants).
 """
@@ -26,6 +26,7 @@ from diffusers import DDIMScheduler, DDPMScheduler
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, median_ms
+from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
 SCHEDULES = {"DDPM-100": (DDPMScheduler, 100), "DDIM-16": (DDIMScheduler, 16)}
@@ -69,14 +70,22 @@ def graphed_pytorch_loop(unet, schedule, data, mask, global_cond, noise):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--unet", nargs="+", default=list(UNETS), choices=list(UNETS))
+    parser.add_argument("--unet", nargs="+", default=["lowdim", "image"], choices=list(UNETS))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--horizon", type=int, nargs="+", default=[HORIZON])
     parser.add_argument("--schedule", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
     parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
     parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
+    parser.add_argument("--gemm-min-positions", type=int,
+                        help="run ours with this KernelConfig.gemm_min_positions (to measure a crossover)")
     args = parser.parse_args()
+    changes = {} if args.gemm_min_positions is None else dict(gemm_min_positions=args.gemm_min_positions)
+    with kernel_config(**changes):
+        run(args)
+
+
+def run(args):
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = True

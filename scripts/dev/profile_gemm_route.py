@@ -26,7 +26,7 @@ from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_
 from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
 from diffusion_policy_accelerated.routing import kernel_config
 
-WIDTHS = {name: unet["down_dims"] for name, unet in UNETS.items()}
+WIDTHS = {name: UNETS[name]["down_dims"] for name in ("lowdim", "image")}
 
 
 def taps_as_rows_table():
