@@ -161,7 +161,11 @@ def _read_payload(path: Path) -> dict:
     except ModuleNotFoundError as error:
         raise ImportError(f"unpickling {path} needs the module {error.name!r}, which is not "
                           f"installed: {error}") from error
-    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, AttributeError, IndexError) as error:
+    except AttributeError as error:
+        # "Can't get attribute ...": the pickle names a class the installed packages lack.
+        raise ImportError(f"unpickling {path} needs a class the installed packages do not have "
+                          f"(another version of them?): {error}") from error
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, IndexError) as error:
         # What torch.load raises for a file that is not a whole torch checkpoint: truncated,
         # corrupt, or another format (its zip reader's RuntimeError, the unpickler's errors).
         raise ValueError(f"path: {path} is not a readable Diffusion Policy checkpoint (a corrupt, "

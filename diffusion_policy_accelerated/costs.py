@@ -165,7 +165,7 @@ def residual_block_cost(x: Shape, weight: Shape, weight2: Shape, dtype: torch.dt
 def denoise_step_cost(sample: Shape, dtype: torch.dtype, *, scheduler: str, prediction_type: str,
                       clip: bool, use_clipped_model_output: bool = False,
                       noise: bool = False) -> Cost:
-    """dpa::denoise_step, counted op by op from `denoise_element` (csrc/denoise_step.h); the
+    """dpa::denoise_step, counted op by op from `denoise_element` (csrc/denoise_step/denoise_step.h); the
     noise term counts wherever noise is passed (the table row may still switch it off)."""
     x0 = 0 if prediction_type == "sample" else 3  # (s - c m) / c'  or  c s - c' m
     epsilon_derived = scheduler == "ddim" and (use_clipped_model_output or prediction_type != "epsilon")

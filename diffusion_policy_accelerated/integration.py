@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .model import ConditionalUnet1D
-from .sampler import GraphedSampler
+from .sampler import FollowingSampler, GraphedSampler
 from .schedulers import DenoiseSchedule
 
 __all__ = ["accelerate", "unet_from_diffusion_policy"]
@@ -82,30 +82,28 @@ class _AcceleratedConditionalSample:
     """Stands in for the policy's `conditional_sample` method, with its signature.
 
     Diffusion Policy reads `num_inference_steps` and the step options on every call, and the
-    sampler keeps tensors on the U-Net's device and in its dtype; so a change to any of these
-    (say `policy.to("cuda")` after accelerate()) builds a new sampler (and, on CUDA, captures
-    new graphs) instead of sampling with a stale schedule or tables.
+    sampler keeps tensors on the U-Net's device and in its dtype and tables of its weights; so
+    a change to any of these (say `policy.to("cuda")` or a weight update after accelerate())
+    builds a new sampler (and, on CUDA, captures new graphs) instead of sampling with a stale
+    schedule or tables.
     """
 
     def __init__(self, policy, unet: ConditionalUnet1D):
         self.policy = policy
         self.unet = unet
-        self.sampler_key = None
-        self.sampler: Optional[GraphedSampler] = None
+        self.following = FollowingSampler(unet)
         self._sampler_for(getattr(policy, "kwargs", {}))
+
+    @property
+    def sampler(self) -> GraphedSampler:
+        return self.following.sampler
 
     def _sampler_for(self, step_kwargs: dict) -> GraphedSampler:
         eta, use_clipped_model_output = _ddim_step_options(step_kwargs)
-        parameter = next(self.unet.parameters())
-        key = (self.policy.num_inference_steps, eta, use_clipped_model_output, parameter.device,
-               parameter.dtype)
-        if key != self.sampler_key:
-            schedule = DenoiseSchedule.from_diffusers(
-                self.policy.noise_scheduler, self.policy.num_inference_steps, eta=eta,
-                use_clipped_model_output=use_clipped_model_output)
-            self.sampler = GraphedSampler(self.unet, schedule)
-            self.sampler_key = key
-        return self.sampler
+        key = (self.policy.num_inference_steps, id(self.policy.noise_scheduler), eta, use_clipped_model_output)
+        return self.following.get(key, lambda: DenoiseSchedule.from_diffusers(
+            self.policy.noise_scheduler, self.policy.num_inference_steps, eta=eta,
+            use_clipped_model_output=use_clipped_model_output), next(self.unet.parameters()).device)
 
     def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
                  local_cond: Optional[torch.Tensor] = None,
@@ -131,9 +129,9 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     did. The original U-Net stays reachable as `policy._dpa_original_model`.
 
     The policy must be in eval mode and its scheduler a DDPMScheduler or DDIMScheduler with
-    options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`) and
-    changing `num_inference_steps` are followed; changing the U-Net's weights is not: the
-    sampler tabulates parts of the U-Net.
+    options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`),
+    changing `num_inference_steps` or the scheduler, and updating `policy.model`'s weights in
+    place (`load_state_dict`) are followed: the next call builds a new sampler.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from .checkpoint import unet_config_from_state_dict
 from .model import ConditionalUnet1D
-from .sampler import GraphedSampler
+from .sampler import FollowingSampler, GraphedSampler
 from .schedulers import DenoiseSchedule
 
 __all__ = ["is_lerobot_policy", "accelerate_lerobot", "dpa_state_dict", "load_lerobot_pretrained",
@@ -98,41 +98,47 @@ def unet_from_lerobot(lerobot_unet: nn.Module, dtype: Optional[torch.dtype] = No
     return unet.eval()
 
 
+def _sample(sampler: GraphedSampler, shape: Tuple[int, int, int], like: Dict[str, Any],
+            global_cond: Optional[torch.Tensor], generator: Optional[torch.Generator],
+            initial: Optional[torch.Tensor]) -> torch.Tensor:
+    """LeRobot's loop: no inpainting (zero condition, nothing masked), `initial` the initial
+    trajectory (None: drawn by the sampler from `generator`)."""
+    if initial is not None and tuple(initial.shape) != shape:
+        raise ValueError(f"noise must be [batch_size, horizon, action_dim] = {list(shape)}, got "
+                         f"{list(initial.shape)}")
+    return sampler(torch.zeros(shape, **like), torch.zeros(shape, dtype=torch.bool, device=like["device"]),
+                   global_cond=global_cond, generator=generator, initial_noise=initial)
+
+
 class _LeRobotConditionalSample:
     """Stands in for `policy.diffusion.conditional_sample(batch_size, global_cond, generator,
     noise)`: LeRobot's initial trajectory (drawn from `generator`, in the dtype and on the
     device of the model's first parameter, as LeRobot draws it; or `noise`), denoised by a
-    GraphedSampler. The sampler follows `num_inference_steps`, the device and the dtype on
-    every call; the per-step noise of DDPM has LeRobot's distribution, from one draw."""
+    GraphedSampler. The sampler follows `num_inference_steps`, the scheduler, the device and
+    the weights (FollowingSampler); the per-step noise of DDPM has LeRobot's distribution,
+    from one draw."""
 
     def __init__(self, model: nn.Module, unet: ConditionalUnet1D, horizon: int, action_dim: int):
-        self.model, self.unet = model, unet
+        self.model = model
+        self.following = FollowingSampler(unet)
         self.horizon, self.action_dim = horizon, action_dim
-        self.sampler_key = None
-        self.sampler: Optional[GraphedSampler] = None
 
-    def _sampler_for(self) -> GraphedSampler:
-        parameter = next(_unwrap(self.model.unet).parameters())
-        key = (self.model.num_inference_steps, parameter.device, parameter.dtype)
-        if key != self.sampler_key:
-            # Tied parameters followed a `policy.to(...)`; the counters must too.
-            self.unet.to(device=parameter.device)
-            schedule = DenoiseSchedule.from_diffusers(self.model.noise_scheduler, self.model.num_inference_steps)
-            self.sampler = GraphedSampler(self.unet, schedule)
-            self.sampler_key = key
-        return self.sampler
+    @property
+    def sampler(self) -> Optional[GraphedSampler]:
+        return self.following.sampler
 
     def __call__(self, batch_size: int, global_cond: Optional[torch.Tensor] = None,
                  generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-        sampler = self._sampler_for()
-        parameter = next(self.model.parameters())
+        model = self.model
+        sampler = self.following.get(
+            (model.num_inference_steps, id(model.noise_scheduler)),
+            lambda: DenoiseSchedule.from_diffusers(model.noise_scheduler, model.num_inference_steps),
+            next(_unwrap(model.unet).parameters()).device)
+        parameter = next(model.parameters())
         like = dict(device=parameter.device, dtype=parameter.dtype)
         shape = (int(batch_size), self.horizon, self.action_dim)
-        if noise is not None and tuple(noise.shape) != shape:
-            raise ValueError(f"noise must be [batch_size, horizon, action_dim] = {list(shape)}, got {list(noise.shape)}")
         initial = noise if noise is not None else torch.randn(shape, generator=generator, **like)
-        return sampler(torch.zeros(shape, **like), torch.zeros(shape, dtype=torch.bool, device=parameter.device),
-                       global_cond=global_cond, generator=generator, initial_noise=initial)
+        return _sample(sampler, shape, like, global_cond, generator, initial)
 
 
 def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None):
@@ -194,10 +200,9 @@ class LeRobotPretrained:
         if not isinstance(global_cond, torch.Tensor) or global_cond.dim() != 2:
             raise ValueError(f"global_cond must be a [batch, {self.global_cond_dim}] tensor, got "
                              f"{getattr(global_cond, 'shape', type(global_cond).__name__)}")
-        shape = (global_cond.shape[0], self.horizon, self.action_dim)
         like = dict(device=self.device, dtype=torch.float32)
-        return self.sampler(torch.zeros(shape, **like), torch.zeros(shape, dtype=torch.bool, device=self.device),
-                            global_cond=global_cond.to(**like), generator=generator, initial_noise=noise)
+        return _sample(self.sampler, (global_cond.shape[0], self.horizon, self.action_dim), like,
+                       global_cond.to(**like), generator, noise)
 
     def predict_action_chunk(self, global_cond: torch.Tensor, generator: Optional[torch.Generator] = None,
                              noise: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -527,7 +527,7 @@ class ConditionalUnet1D(nn.Module):
                     raise ValueError(f"{name} is required: this U-Net was built with {name}_dim={width}; "
                                      f"pass a tensor of shape {expected}")
                 if list(value.shape) != expected:
-                    raise ValueError(f"{name} must be {expected} ({name}_dim={width}) for sample "
+                    raise ValueError(f"{name} must be {expected} ({name}_dim={width}) for {sample_name} "
                                      f"{list(shape)}, got {list(value.shape)}")
 
     def forward(self, sample: torch.Tensor, timestep: Union[torch.Tensor, float, int],

@@ -17,7 +17,7 @@ routing.install_default(_C)
 
 SCHEDULER_KINDS = {"ddpm": 0, "ddim": 1}
 PREDICTION_TYPES = {"epsilon": 0, "sample": 1, "v_prediction": 2}
-# Columns of a denoise table row (see csrc/denoise_step.h, StepColumn).
+# Columns of a denoise table row (see csrc/denoise_step/denoise_step.h, StepColumn).
 TABLE_COLUMNS = ("sqrt_beta_prod", "sqrt_alpha_prod", "inv_sqrt_beta_prod",
                  "inv_sqrt_alpha_prod", "x0_coeff", "second_coeff", "noise_scale", "add_noise")
 
@@ -56,9 +56,9 @@ def conv1d_gn_mish(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     x: [B, C_in, L] (any strides); weight: [C_out, C_in, K] with K odd (padding K // 2,
     stride 1); bias, gn_weight, gn_bias: [C_out] or None. `film`: [B, C_out] (y + film) or
     [B, 2 * C_out] (y * film[:, :C_out] + film[:, C_out:]: a FiLM scale, then a bias);
-    `residual`: [B, C_out, L], added last. Accumulation and statistics are fp32 and each
-    output is rounded once, whatever the (shared) dtype: fp32, fp16 or bf16. `counters`:
-    see `conv1d`.
+    `residual`: [B, C_out, L], added last. Accumulation and statistics are fp32 whatever the
+    (shared) dtype, fp32, fp16 or bf16; on CUDA each output is rounded once, on the CPU the
+    conv's result is rounded to the dtype as ATen's conv returns it. `counters`: see `conv1d`.
     """
     return torch.ops.dpa.conv1d_gn_mish(x, weight, bias, gn_weight, gn_bias, int(num_groups),
                                         float(eps), film=film, residual=residual, counters=counters)

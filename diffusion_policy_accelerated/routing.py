@@ -3,7 +3,8 @@ thresholds, and the route rules, in one place.
 
 A conv of the U-Net takes one of these routes:
 
-  CPU          ATen's fp32 convolution, then the fused GroupNorm / Mish / FiLM / residual pass.
+  CPU          ATen's convolution in the input's dtype, then the fused GroupNorm / Mish / FiLM /
+               residual pass.
   streaming    CUDA, batch x length below `gemm_min_positions`: the weight-streaming kernels,
                which read every weight once at close to HBM bandwidth (a robot's batch 1). On
                Hopper a layer runs as thread-block clusters where its plan fits (`clusters`),
@@ -184,6 +185,12 @@ def block_op_pays(first: nn.Conv1d, second: nn.Conv1d, x: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------
 # Explaining a forward.
 
+# The most elements of a GroupNorm group that residual_block's fused GEMM-route epilogue holds
+# in registers (csrc/conv1d/cuda/conv_params.h, kHeldPerThread x kThreads); past it the op runs
+# its convs one by one.
+_BLOCK_OP_MAX_GROUP = 1024
+
+
 class ConvRoute(NamedTuple):
     """One conv of a forward: its module name, shapes and route, and why."""
     module: str
@@ -201,16 +208,23 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     described = (f"{'ConvTranspose1d' if transposed else 'Conv1d'} {channels}->{conv.out_channels} "
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
-        return ConvRoute(name, described, "CPU", "ATen's conv in fp32, then the fused epilogue")
-    positions = batch * length
+        return ConvRoute(name, described, "CPU", "ATen's conv in the input's dtype, then the fused epilogue")
+    # The ops' GEMM N: output positions, or for a transposed conv input positions.
+    kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+    positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)
     taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config)
     layout = ", taps-major" if taps else ""
     paired = False
     if block is not None:
         first, second = block.blocks[0].block[0], block.blocks[1].block[0]
         if _block_op_pays(first, second, batch, length, dtype, config):
-            return ConvRoute(name, described, "GEMM, block op" + layout,
-                             "its residual block runs as one op on the GEMM route")
+            group = first.out_channels // block.blocks[0].block[1].num_groups * length
+            if group <= _BLOCK_OP_MAX_GROUP:
+                return ConvRoute(name, described, "GEMM, block op" + layout,
+                                 "its residual block runs as one op on the GEMM route")
+            return ConvRoute(name, described, "GEMM" + layout,
+                             f"its residual block's op runs per conv: a GroupNorm group of {group} elements "
+                             f"is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
         # Otherwise a block with a shortcut runs its first conv and the shortcut as one
         # conv1d_gn_mish_shortcut, which takes the contiguous weight.
         paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)

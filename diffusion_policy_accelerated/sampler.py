@@ -163,6 +163,29 @@ class GraphedSampler:
                              f"{list(noise.shape)}")
 
 
+class FollowingSampler:
+    """The GraphedSampler of a policy whose U-Net, schedule or device may change between calls:
+    rebuilt (tables, graphs) when `get`'s key (the schedule's settings), the device the
+    policy's weights are on, or the U-Net's weights change, in place included (their version
+    counters), so that a sampler never mixes new weights with tables of old ones."""
+
+    def __init__(self, unet: ConditionalUnet1D):
+        self.unet = unet
+        self.key = None
+        self.sampler: Optional[GraphedSampler] = None
+
+    def get(self, key, make_schedule, device: torch.device) -> GraphedSampler:
+        """The sampler for `key`, built with make_schedule() where it changed; the U-Net (its
+        counters, or a copy of other weights) follows `device`, the policy's."""
+        parameters = list(self.unet.parameters())
+        full_key = (key, device, parameters[0].dtype, sum(p._version for p in parameters))
+        if full_key != self.key:
+            self.unet.to(device=device)
+            self.sampler = GraphedSampler(self.unet, make_schedule())
+            self.key = full_key
+        return self.sampler
+
+
 class _CapturedLoop:
     """One captured `_loop` for fixed input shapes, with the static buffers it reads."""
 

@@ -57,7 +57,7 @@ PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
 DDPM_VARIANCE_TYPES = ("fixed_small", "fixed_small_log", "fixed_large")
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
-# Table columns; keep in step with ops.TABLE_COLUMNS and csrc/denoise_step.h.
+# Table columns; keep in step with ops.TABLE_COLUMNS and csrc/denoise_step/denoise_step.h.
 SQRT_BETA_PROD, SQRT_ALPHA_PROD, INV_SQRT_BETA_PROD, INV_SQRT_ALPHA_PROD = 0, 1, 2, 3
 X0_COEFF, SECOND_COEFF, NOISE_SCALE, ADD_NOISE = 4, 5, 6, 7
 NUM_TABLE_COLUMNS = 8

@@ -22,6 +22,8 @@ import time
 import torch
 from diffusers import DDIMScheduler
 
+from benchmark import dp_loop
+
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.costs import conv1d_cost, conv_transpose1d_cost
@@ -76,17 +78,6 @@ def conv_flops(unet, batch, horizon):
     return sum(flops)
 
 
-def dp_loop(unet, scheduler, steps, data, mask, global_cond):
-    """Diffusion Policy's conditional_sample, verbatim in structure."""
-    trajectory = torch.randn(data.shape, dtype=data.dtype)
-    scheduler.set_timesteps(steps)
-    for t in scheduler.timesteps:
-        trajectory[mask] = data[mask]
-        trajectory = scheduler.step(unet(trajectory, t, global_cond=global_cond), t, trajectory).prev_sample
-    trajectory[mask] = data[mask]
-    return trajectory
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unet", nargs="+", default=["lowdim"], choices=list(UNETS))
@@ -127,7 +118,7 @@ def main():
                     forward_plain, forward_ours = interleaved_ms(
                         with_fused_ops(unet, False, forward), forward, args.reps)
                     action_plain, action_ours = interleaved_ms(
-                        with_fused_ops(unet, False, lambda: dp_loop(unet, scheduler, args.steps, data, mask, cond)),
+                        with_fused_ops(unet, False, lambda: dp_loop(unet, scheduler, args.steps, data, mask, cond, None)),
                         lambda: sampler(data, mask, global_cond=cond), max(1, args.reps // 3))
                 row = dict(unet=unet_name, dtype=dtype_name, batch=batch, forward_plain_ms=forward_plain,
                            forward_ours_ms=forward_ours, action_plain_ms=action_plain,

@@ -336,7 +336,7 @@ def test_both_streaming_kernels(clusters, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
 def test_launch_trace(clusters):
-    """ops._C.start_launch_trace (scripts/trace_conv.py): one row per block of each launch, the
+    """ops._C.start_launch_trace (scripts/dev/trace_conv.py): one row per block of each launch, the
     block's stamps in the order of its work. Every block of the cluster kernel leaves (stamps
     the last event); of the split-K kernel only the finishing blocks do: this also shows which
     kernel the U-Net's 256-channel length-16 layer takes on a Hopper GPU."""

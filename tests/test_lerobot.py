@@ -244,3 +244,17 @@ def test_load_pretrained_bad_folders(tmp_path, damage, error, text):
         save_file({"other.weight": torch.zeros(2)}, str(weights_path))
     with pytest.raises(error, match=__import__("re").escape(text)):
         dpa.load_lerobot_pretrained(tmp_path, device="cpu")
+
+
+def test_weight_updates_are_followed():
+    """New weights loaded into the accelerated policy in place (load_state_dict) reach the
+    sampler's tables too: the actions are those of a LeRobot policy with the new weights."""
+    policy = dpa.accelerate(make_policy(seed=0))
+    other = make_policy(seed=1)
+    obs = observations(other, 2, "cpu")
+    noise = torch.randn(2, 16, 2)
+    with torch.no_grad():
+        policy.diffusion.generate_actions(dict(obs), noise=noise)  # tables of the old weights
+        policy.load_state_dict(other.state_dict())
+        torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
+                                   other.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)

@@ -124,6 +124,14 @@ def test_explain_names_every_conv_and_its_route():
     assert explain(unet.to(torch.bfloat16), 64, 16, device="cuda") == routes
     with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):
         explain(torch.nn.Linear(2, 2), 1, 16)
+    # A stride-2 conv's positions are its output's, as the ops count them: at batch 2 and
+    # length 16 it streams (16 < 32) while the blocks before it are GEMMs (32).
+    routes = {r.module: r for r in explain(unet, 2, 16, device="cuda")}
+    assert routes["down_modules.0.2.conv"].route == "streaming"
+    assert routes["down_modules.0.1.blocks.0.block.0"].route.startswith("GEMM")
+    # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
+    long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
+    assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

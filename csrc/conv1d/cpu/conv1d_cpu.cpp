@@ -1,5 +1,5 @@
-// CPU implementations of the conv ops: ATen's conv (oneDNN / BLAS) in fp32, then one fused
-// pass per (batch row, GroupNorm group) for what follows it.
+// CPU implementations of the conv ops: ATen's conv (oneDNN / BLAS) in the input's dtype, then
+// one fused pass per (batch row, GroupNorm group) for what follows it.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -76,7 +76,8 @@ template <int W>
 DPA_INLINE typename Lanes<W>::F mish_lanes(typename Lanes<W>::F v) {
   const typename Lanes<W>::F e = exp_lanes<W>(v < 20.f ? v : splat<W>(20.f));
   const typename Lanes<W>::F m = e * (e + 2.f);
-  return v * (m / (m + 2.f));
+  // Below -87, where exp_lanes clamps, mish(v) is under 1e-36 in magnitude: 0.
+  return v < -87.f ? splat<W>(0.f) : v * (m / (m + 2.f));
 }
 
 template <int W>

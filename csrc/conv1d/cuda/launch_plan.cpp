@@ -9,6 +9,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 
 #include "common/checks.h"
@@ -30,12 +31,20 @@ int max_shared_bytes() {
 }  // namespace
 
 void set_kernel_attributes(const void* kernel, int cluster_blocks, size_t shared_bytes) {
-  if (shared_bytes > 40 * 1024) {
+  // Raised only, never lowered: another thread may be launching the same kernel with more
+  // shared memory (per device: attributes are set on the current one).
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, std::pair<size_t, bool>> set;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto& [bytes, non_portable] = set[{c10::cuda::current_device(), kernel}];
+  if (shared_bytes > 40 * 1024 && shared_bytes > bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(shared_bytes)));
+    bytes = shared_bytes;
   }
-  if (cluster_blocks > 8) {
+  if (cluster_blocks > 8 && !non_portable) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    non_portable = true;
   }
 }
 
