@@ -100,14 +100,18 @@ def unet_from_lerobot(lerobot_unet: nn.Module, dtype: Optional[torch.dtype] = No
 
 def _sample(sampler: GraphedSampler, shape: Tuple[int, int, int], like: Dict[str, Any],
             global_cond: Optional[torch.Tensor], generator: Optional[torch.Generator],
-            initial: Optional[torch.Tensor]) -> torch.Tensor:
-    """LeRobot's loop: no inpainting (zero condition, nothing masked), `initial` the initial
-    trajectory (None: drawn by the sampler from `generator`)."""
-    if initial is not None and tuple(initial.shape) != shape:
-        raise ValueError(f"noise must be [batch_size, horizon, action_dim] = {list(shape)}, got "
-                         f"{list(initial.shape)}")
+            noise: Optional[torch.Tensor]) -> torch.Tensor:
+    """LeRobot's loop: no inpainting (zero condition, nothing masked). `noise` is the initial
+    trajectory (`shape`), or all the noise ([steps + 1, *shape], GraphedSampler's `noise`), or
+    None: drawn by the sampler from `generator`."""
+    every_step = (sampler.num_steps + 1,) + tuple(shape)
+    if noise is not None and tuple(noise.shape) not in (tuple(shape), every_step):
+        raise ValueError(f"noise must be the initial trajectory [batch_size, horizon, action_dim] = {list(shape)} or "
+                         f"all the noise {list(every_step)}, got {list(noise.shape)}")
+    full = noise is not None and noise.dim() == 4
     return sampler(torch.zeros(shape, **like), torch.zeros(shape, dtype=torch.bool, device=like["device"]),
-                   global_cond=global_cond, generator=generator, initial_noise=initial)
+                   global_cond=global_cond, generator=generator, noise=noise if full else None,
+                   initial_noise=None if full else noise)
 
 
 class _LeRobotConditionalSample:
@@ -196,7 +200,9 @@ class LeRobotPretrained:
     def sample(self, global_cond: torch.Tensor, generator: Optional[torch.Generator] = None,
                noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """LeRobot's `conditional_sample`: the whole normalised trajectory [B, horizon,
-        action_dim] for global_cond [B, global_cond_dim]; `noise` is the initial trajectory."""
+        action_dim] for global_cond [B, global_cond_dim]; `noise` is the initial trajectory
+        [B, horizon, action_dim] or all the noise [steps + 1, B, horizon, action_dim] (see
+        GraphedSampler)."""
         if not isinstance(global_cond, torch.Tensor) or global_cond.dim() != 2:
             raise ValueError(f"global_cond must be a [batch, {self.global_cond_dim}] tensor, got "
                              f"{getattr(global_cond, 'shape', type(global_cond).__name__)}")
@@ -226,11 +232,12 @@ def _schedule_config(config: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], in
     return kind, {key: config[key] for key in keys}, int(steps)
 
 
-def load_lerobot_pretrained(path, device: Optional[str] = None,
-                            dtype: Optional[torch.dtype] = None) -> LeRobotPretrained:
+def load_lerobot_pretrained(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                            num_inference_steps: Optional[int] = None) -> LeRobotPretrained:
     """A LeRobot DiffusionPolicy folder (`save_pretrained`: config.json, model.safetensors) as
     this package's U-Net and DDPM/DDIM schedule, on `device` (default: CUDA where there is
-    one) in `dtype` (default float32). Needs `safetensors`, not LeRobot."""
+    one) in `dtype` (default float32), with the config's number of denoising steps or
+    `num_inference_steps`. Needs `safetensors`, not LeRobot."""
     folder = Path(path)
     config_path, weights_path = folder / "config.json", folder / "model.safetensors"
     for file in (config_path, weights_path):
@@ -268,5 +275,9 @@ def load_lerobot_pretrained(path, device: Optional[str] = None,
     if unet.horizon_multiple > 1 and config["horizon"] % unet.horizon_multiple:
         raise ValueError(f"config.json's horizon {config['horizon']} is not a multiple of {unet.horizon_multiple}, "
                          f"which the U-Net's {len(unet.down_dims)} levels need")
+    if num_inference_steps is not None:
+        if isinstance(num_inference_steps, bool) or not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be a positive integer or None, got {num_inference_steps!r}")
+        steps = num_inference_steps
     schedule = DenoiseSchedule.from_diffusers(scheduler_config, steps, kind=kind)
     return LeRobotPretrained(config, unet, schedule)

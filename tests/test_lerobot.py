@@ -192,7 +192,7 @@ def test_bad_policies(change, error, text):
 
 def test_wrong_initial_noise_is_refused():
     policy = dpa.accelerate(make_policy())
-    with pytest.raises(ValueError, match=r"noise must be \[batch_size, horizon, action_dim\] = \[2, 16, 2\]"):
+    with pytest.raises(ValueError, match=r"noise must be the initial trajectory \[batch_size, horizon, action_dim\] = \[2, 16, 2\]"):
         policy.diffusion.conditional_sample(2, global_cond=torch.zeros(2, 10), noise=torch.zeros(2, 8, 2))
 
 

@@ -1,0 +1,71 @@
+"""The `dpa` command: `dpa serve` (a policy over HTTP, see serving/server.py) and `dpa demo`."""
+import argparse
+import asyncio
+import sys
+
+
+def _source_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--checkpoint", metavar="CKPT", help="a Diffusion Policy workspace checkpoint (.ckpt; a "
+                      "pickle, so only one you trust): lowdim policies take raw observations, image policies "
+                      "their encoder's features")
+    what.add_argument("--lerobot", metavar="FOLDER", help="a LeRobot DiffusionPolicy folder (config.json, "
+                      "model.safetensors): LeRobot's normalised global condition in, normalised actions out")
+    parser.add_argument("--device", help="default: cuda where there is one, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the U-Net's weights (inputs and actions stay float32)")
+    parser.add_argument("--steps", type=int, help="denoising steps (default: the policy's; the demo's 100 "
+                        "DDPM / 16 DDIM)")
+    parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"], help="the demo model's")
+    parser.add_argument("--max-batch", type=int, default=64, help="observations per sampler call; graphs "
+                        "are captured for powers of two up to it")
+
+
+def source_from_args(args):
+    from .serving.policies import PolicySource
+
+    kind, path = (("checkpoint", args.checkpoint) if args.checkpoint else
+                  ("lerobot", args.lerobot) if args.lerobot else ("demo", None))
+    return PolicySource(kind=kind, path=path, device=args.device, dtype=args.dtype, steps=args.steps,
+                        scheduler=args.scheduler)
+
+
+def serve_main(argv) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dpa serve", description="Serve a policy over HTTP, batching concurrent requests (default: the "
+        "demo's lowdim U-Net with random weights). Protocol: POST /v1/act with a safetensors body; "
+        "GET /v1/spec, /health, /metrics.")
+    _source_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept other machines (default: "
+                        "this one only)")
+    parser.add_argument("--port", type=int, default=8700)
+    parser.add_argument("--max-wait-ms", type=float, default=2.0, help="how long an idle server waits for "
+                        "more requests to share a batch")
+    parser.add_argument("--max-queue", type=int, help="observations that may wait before requests get 503 "
+                        "(default 4 batches)")
+    args = parser.parse_args(argv)
+    from .serving.policies import load_policy
+    from .serving.server import PolicyServer, serve
+
+    policy = load_policy(source_from_args(args), max_rows=args.max_batch)
+    server = PolicyServer(policy, host=args.host, port=args.port, max_wait_ms=args.max_wait_ms,
+                          max_queue_rows=args.max_queue)
+    asyncio.run(serve(server))
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
+    if argv[:1] == ["demo"]:
+        from .demo import main as demo_main
+
+        demo_main(argv[1:])
+        return 0
+    print("usage: dpa {serve,demo} [options]   (dpa serve --help, dpa demo --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

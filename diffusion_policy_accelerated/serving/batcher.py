@@ -1,0 +1,168 @@
+"""Dynamic batching for `dpa serve`: concurrent requests become one sampler call.
+
+Requests wait in a bounded queue (counted in observation rows). One worker takes as many as
+fit in `max_rows` as soon as the device is free, waiting at most `max_wait_s` after the
+oldest arrived for more to come, and runs them in a dedicated thread, so the event loop keeps
+receiving and validating the next requests while the GPU works. Requests that arrive during
+a run form the next batch: under load, batches fill by themselves and `max_wait_s` is only
+paid when the device is idle.
+
+Every submitted request gets exactly one outcome: its actions, the batch's exception, or
+`ClientGone` if its client disconnected before its batch started (its rows are then not
+computed). A full queue raises `Overloaded` at submission, and so does a stopping batcher;
+`stop()` answers everything already queued first.
+"""
+import asyncio
+import collections
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, Optional
+
+import numpy as np
+
+from .metrics import Metrics
+from .policies import ServedPolicy
+from .protocol import ActRequest
+
+
+class Overloaded(Exception):
+    """The queue is full, or the server is warming up or stopping: retry later (HTTP 503)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its batch ran."""
+
+
+@dataclass
+class Result:
+    action: np.ndarray
+    timings: Dict[str, float]
+
+
+@dataclass
+class _Pending:
+    request: ActRequest
+    future: asyncio.Future
+    arrival: float
+    is_connected: Callable[[], bool]
+
+
+class Batcher:
+    def __init__(self, policy: ServedPolicy, *, max_wait_s: float = 0.002, max_queue_rows: Optional[int] = None,
+                 metrics: Optional[Metrics] = None):
+        if max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.policy = policy
+        self.max_rows = policy.max_rows
+        self.max_wait_s = max_wait_s
+        self.max_queue_rows = max_queue_rows if max_queue_rows is not None else 4 * self.max_rows
+        if self.max_queue_rows < self.max_rows:
+            raise ValueError(f"max_queue_rows ({self.max_queue_rows}) must hold at least one full batch "
+                             f"({self.max_rows} rows)")
+        self.metrics = metrics or Metrics()
+        self.ready = False
+        self.accepting = True
+        self._pending: Deque[_Pending] = collections.deque()
+        self._pending_rows = 0
+        self._wakeup: Optional[asyncio.Event] = None
+        self._worker: Optional[asyncio.Task] = None
+        # One thread: the policy (its CUDA graphs and buffers) is used by one thread only.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpa-serve")
+
+    async def start(self, log=None) -> None:
+        """Warm up (capture every batch bucket's graph) in the worker thread, then serve."""
+        loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        if log is None:
+            await loop.run_in_executor(self._executor, self.policy.warm_up)
+        else:
+            await loop.run_in_executor(self._executor, self.policy.warm_up, log)
+        self._worker = asyncio.create_task(self._work())
+        self.ready = True
+
+    @property
+    def queued_rows(self) -> int:
+        return self._pending_rows
+
+    async def submit(self, request: ActRequest, is_connected: Callable[[], bool] = lambda: True) -> Result:
+        if not self.ready or not self.accepting:
+            raise Overloaded("the server is " + ("warming up" if self.accepting else "shutting down"))
+        if self._pending_rows + request.rows > self.max_queue_rows:
+            raise Overloaded(f"the queue is full ({self._pending_rows} of {self.max_queue_rows} rows waiting)")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request, loop.create_future(), loop.time(), is_connected)
+        self._pending.append(pending)
+        self._pending_rows += request.rows
+        self.metrics.queue_rows.set(self._pending_rows)
+        self._wakeup.set()
+        # A handler cancelled while waiting cancels its future; the worker then skips it.
+        return await pending.future
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, answer every queued one, then stop the worker."""
+        self.accepting = False
+        if self._worker is not None:
+            self._wakeup.set()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._worker), timeout)
+            except asyncio.TimeoutError:
+                self._worker.cancel()
+                for pending in self._pending:
+                    if not pending.future.done():
+                        pending.future.set_exception(Overloaded("the server stopped before this request ran"))
+                self._pending.clear()
+        self._executor.shutdown(wait=True)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            while not self._pending:
+                if not self.accepting:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            # Wait for a full batch, or until the oldest request has waited max_wait_s.
+            deadline = self._pending[0].arrival + self.max_wait_s
+            while self._pending_rows < self.max_rows and self.accepting:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            batch, rows = [], 0
+            while self._pending and rows + self._pending[0].request.rows <= self.max_rows:
+                pending = self._pending.popleft()
+                self._pending_rows -= pending.request.rows
+                if pending.future.cancelled() or not pending.is_connected():
+                    self.metrics.dropped.inc()
+                    if not pending.future.done():
+                        pending.future.set_exception(ClientGone())
+                        pending.future.exception()  # retrieved: nobody may be waiting
+                    continue
+                batch.append(pending)
+                rows += pending.request.rows
+            self.metrics.queue_rows.set(self._pending_rows)
+            if batch:
+                await self._run(loop, batch)
+
+    async def _run(self, loop, batch) -> None:
+        started = loop.time()
+        try:
+            actions, timings = await loop.run_in_executor(self._executor, self.policy.act,
+                                                          [p.request for p in batch])
+        # A failing batch fails its own requests (a 500 each); the server keeps serving.
+        except Exception as error:  # noqa: BLE001
+            self.metrics.failed_batches.inc()
+            for pending in batch:
+                if not pending.future.done():
+                    pending.future.set_exception(error)
+            return
+        self.metrics.observe_batch(timings["batch_rows"], timings["compute_ms"] / 1e3)
+        for pending, action in zip(batch, actions):
+            result = Result(action, {"queue_ms": 1e3 * (started - pending.arrival), **timings})
+            if not pending.future.done():
+                pending.future.set_result(result)
+

@@ -1,0 +1,214 @@
+"""A policy as a server runs it: named float32 observations of fixed shapes in, an action chunk
+out, for many robots at once in one sampler call.
+
+`ServedPolicy.act(requests)` stacks the requests' rows, pads them to the next batch-size bucket
+(powers of two up to `max_rows`), so that each bucket's CUDA graph is captured once, at
+warm-up, and never again while serving, draws the noise (a request's `seed` fixes its rows'
+noise whatever batch it lands in), runs the sampler and splits the actions back out.
+
+`PolicySource` says where a policy comes from (the demo's U-Net, a Diffusion Policy
+checkpoint or a LeRobot pretrained folder) in a form that can be sent to another process: Ray
+Serve builds one policy per replica from it.
+"""
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .protocol import ActRequest, PolicySpec, TensorSpec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# What a request's rows are turned into: {input name: [bucket, *shape] float32 tensor on the
+# policy's device}, the noise [steps + 1, bucket, *trajectory shape] -> actions [bucket, Ta, Da].
+Predict = Callable[[Dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """Where a served policy comes from. `kind`: 'demo' (the demo's lowdim Push-T U-Net with
+    random weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
+    Diffusion Policy workspace .ckpt: raw lowdim observations in, or an image policy's encoder
+    features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
+    condition in, normalised actions out). `steps` overrides the number of denoising steps;
+    `scheduler` ('ddpm' / 'ddim') is the demo's."""
+    kind: str = "demo"
+    path: Optional[str] = None
+    device: Optional[str] = None
+    dtype: str = "float32"
+    steps: Optional[int] = None
+    scheduler: str = "ddpm"
+
+    def __post_init__(self):
+        if self.kind not in ("demo", "checkpoint", "lerobot"):
+            raise ValueError(f"kind must be 'demo', 'checkpoint' or 'lerobot', got {self.kind!r}")
+        if (self.path is None) != (self.kind == "demo"):
+            raise ValueError(f"path: a {self.kind} source " + ("takes no path" if self.kind == "demo" else "needs one"))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.scheduler not in ("ddpm", "ddim"):
+            raise ValueError(f"scheduler must be 'ddpm' or 'ddim', got {self.scheduler!r}")
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
+                                       or self.steps < 1):
+            raise ValueError(f"steps must be a positive integer or None, got {self.steps!r}")
+
+
+def batch_buckets(max_rows: int) -> List[int]:
+    """The batch sizes graphs are captured for: powers of two below max_rows, and max_rows."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"max_rows must be a positive integer, got {max_rows!r}")
+    return [1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows] + [max_rows]
+
+
+class ServedPolicy:
+    """A sampler behind named observation inputs (see the module doc). `act` is not
+    thread-safe: a server calls it from one worker thread."""
+
+    def __init__(self, *, name: str, inputs: Dict[str, TensorSpec], action_shape: Tuple[int, int],
+                 trajectory_shape: Tuple[int, int], num_steps: int, device: torch.device, predict: Predict,
+                 max_rows: int = 64, info: Optional[Dict[str, object]] = None, seed: int = 0):
+        self.name = name
+        self.inputs = dict(inputs)
+        self.trajectory_shape = tuple(trajectory_shape)
+        self.num_steps = num_steps
+        self.device = torch.device(device)
+        self.predict = predict
+        self.buckets = batch_buckets(max_rows)
+        self.spec = PolicySpec(self.inputs, TensorSpec(tuple(action_shape)), max_rows,
+                               {"policy": name, "device": str(self.device), **(info or {})})
+        # The noise of rows without a seed: one stream per server, on the policy's device.
+        self.generator = torch.Generator(self.device).manual_seed(seed)
+
+    @property
+    def max_rows(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def warm_up(self, log=lambda message: print(message, file=sys.stderr, flush=True)) -> None:
+        """Run every bucket once, capturing its CUDA graph (on CUDA) before the first request."""
+        for i, bucket in enumerate(self.buckets):
+            start = time.perf_counter()
+            self._run({name: np.zeros((bucket,) + spec.shape, np.float32) for name, spec in self.inputs.items()},
+                      [(bucket, None)])
+            log(f"dpa serve: batch {bucket} ready ({i + 1}/{len(self.buckets)}, "
+                f"{time.perf_counter() - start:.1f} s)")
+
+    def act(self, requests: Sequence[ActRequest]) -> Tuple[List[np.ndarray], Dict[str, float]]:
+        """The action chunks of `requests` ([rows, Ta, Da] each, or [Ta, Da] for a single
+        observation), in order, and the batch's timings. Rows past max_rows run as further
+        batches."""
+        actions, batches, start = [], [], time.perf_counter()
+        groups, rows = [[]], 0
+        for request in requests:
+            if rows + request.rows > self.max_rows and groups[-1]:
+                groups.append([])
+                rows = 0
+            groups[-1].append(request)
+            rows += request.rows
+        for group in groups:
+            inputs = {name: np.concatenate([r.inputs[name] for r in group]) for name in self.inputs}
+            out = self._run(inputs, [(r.rows, r.seed) for r in group])
+            batches.append(out.shape[0])
+            offset = 0
+            for request in group:
+                chunk = out[offset:offset + request.rows]
+                actions.append(chunk[0] if request.single else chunk)
+                offset += request.rows
+        timings = {"compute_ms": 1e3 * (time.perf_counter() - start), "batch_rows": sum(r.rows for r in requests),
+                   "bucket": max(self.bucket(b) for b in batches)}
+        return actions, timings
+
+    def _run(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
+        rows = sum(n for n, _ in seeds)
+        bucket = self.bucket(rows)
+        batch = {}
+        for name, spec in self.inputs.items():
+            padded = torch.zeros((bucket,) + spec.shape)
+            padded[:rows] = torch.from_numpy(inputs[name])
+            batch[name] = padded.to(self.device, non_blocking=True)
+        noise = torch.randn((self.num_steps + 1, bucket) + self.trajectory_shape, device=self.device,
+                            generator=self.generator)
+        offset = 0
+        for n, seed in seeds:
+            if seed is not None:
+                draw = torch.randn((self.num_steps + 1, n) + self.trajectory_shape,
+                                   generator=torch.Generator().manual_seed(seed))
+                noise[:, offset:offset + n] = draw.to(self.device)
+            offset += n
+        with torch.inference_mode():
+            actions = self.predict(batch, noise)
+        return actions[:rows].float().cpu().numpy()
+
+
+def load_policy(source: PolicySource, max_rows: int = 64) -> ServedPolicy:
+    """The ServedPolicy of `source`, on its device (default: CUDA where there is one)."""
+    device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[source.dtype]
+    info = {"dtype": source.dtype}
+    if source.kind == "demo":
+        return _demo_policy(source, device, dtype, max_rows, info)
+    if source.kind == "checkpoint":
+        from ..checkpoint import LOWDIM_POLICY, load_checkpoint
+
+        ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
+        info.update(source=source.path, policy_class=ckpt.policy_class, steps=ckpt.sampler.num_steps,
+                    scheduler=ckpt.schedule.kind)
+        trajectory = (ckpt.trajectory_length, ckpt.unet_config["input_dim"])
+        common = dict(action_shape=(ckpt.n_action_steps, ckpt.action_dim), trajectory_shape=trajectory,
+                      num_steps=ckpt.sampler.num_steps, device=device, max_rows=max_rows, info=info)
+        if ckpt.policy_class == LOWDIM_POLICY:
+            # Raw observations: the checkpoint's normaliser runs in the server.
+            return ServedPolicy(name=f"{ckpt.policy_class} ({source.path})",
+                                inputs={"obs": TensorSpec((ckpt.n_obs_steps, ckpt.obs_dim))},
+                                predict=lambda x, noise: ckpt.predict_action({"obs": x["obs"]}, noise=noise)["action"],
+                                **common)
+        if ckpt.obs_as_global_cond:
+            return ServedPolicy(name=f"{ckpt.policy_class} ({source.path}), encoder features",
+                                inputs={"global_cond": TensorSpec((ckpt.unet_config["global_cond_dim"],))},
+                                predict=lambda x, noise: ckpt.predict_action_from_features(x["global_cond"], noise=noise),
+                                **common)
+        return ServedPolicy(name=f"{ckpt.policy_class} ({source.path}), encoder features",
+                            inputs={"obs_features": TensorSpec((ckpt.n_obs_steps, ckpt.obs_feature_dim))},
+                            predict=lambda x, noise: ckpt.predict_action_from_features(
+                                obs_features=x["obs_features"], noise=noise), **common)
+    from ..lerobot import load_lerobot_pretrained
+
+    policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
+    info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
+                normalised=True)
+    return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), normalised global condition",
+                        inputs={"global_cond": TensorSpec((policy.global_cond_dim,))},
+                        action_shape=(policy.n_action_steps, policy.action_dim),
+                        trajectory_shape=(policy.horizon, policy.action_dim), num_steps=policy.sampler.num_steps,
+                        device=device, max_rows=max_rows, info=info,
+                        predict=lambda x, noise: policy.predict_action_chunk(x["global_cond"], noise=noise))
+
+
+def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype, max_rows: int,
+                 info: Dict[str, object]) -> ServedPolicy:
+    from ..configs import HORIZON, SCHEDULER_CONFIG, UNETS
+    from ..model import ConditionalUnet1D
+    from ..sampler import GraphedSampler
+    from ..schedulers import DenoiseSchedule
+
+    config = UNETS["lowdim"]
+    steps = source.steps or (100 if source.scheduler == "ddpm" else 16)
+    torch.manual_seed(0)  # the demo's weights
+    unet = ConditionalUnet1D(**config).to(device, dtype).eval()
+    sampler = GraphedSampler(unet, DenoiseSchedule.from_diffusers(SCHEDULER_CONFIG, steps, kind=source.scheduler))
+    shape = (HORIZON, config["input_dim"])
+
+    def predict(inputs: Dict[str, torch.Tensor], noise: torch.Tensor) -> torch.Tensor:
+        cond = inputs["global_cond"]
+        zeros = torch.zeros((cond.shape[0],) + shape, device=device)
+        return sampler(zeros, torch.zeros_like(zeros, dtype=torch.bool), global_cond=cond, noise=noise)
+
+    info.update(source="demo (random weights)", steps=steps, scheduler=source.scheduler)
+    return ServedPolicy(name="demo: Diffusion Policy's lowdim Push-T U-Net, random weights",
+                        inputs={"global_cond": TensorSpec((config["global_cond_dim"],))}, action_shape=shape,
+                        trajectory_shape=shape, num_steps=sampler.num_steps, device=device, predict=predict,
+                        max_rows=max_rows, info=info)

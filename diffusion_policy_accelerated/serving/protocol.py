@@ -1,0 +1,206 @@
+"""The wire format of `dpa serve` (and of its Ray Serve deployment): HTTP with safetensors bodies.
+
+Why HTTP and safetensors: a robot, a simulator or a shell can call it with any HTTP library
+(or curl), Ray Serve's ingress is HTTP, so one client speaks to both servers, and a
+safetensors body is typed binary tensors (a JSON header of dtype, shape and offsets, then
+the raw bytes) that every language reads and that cannot carry code. Nothing a client sends
+is ever unpickled.
+
+    GET  /v1/spec   JSON: the inputs (name -> shape of ONE observation, dtype), the action's
+                    shape, max_rows, max_request_bytes and the policy's settings.
+    POST /v1/act    body: safetensors of exactly the spec's inputs, each either one
+                    observation (the spec's shape) or n of them ([n, *shape], the same n for
+                    every input: a simulator's environments in one request); optional
+                    metadata {"seed": "<int>"} fixes the noise of those n rows.
+                    200: safetensors {"action": [Ta, Da] or [n, Ta, Da]}, metadata with the
+                    server's timings (also in the Server-Timing header).
+                    4xx/5xx: JSON {"error": "..."}; 503 (overloaded, warming up, shutting
+                    down) carries Retry-After and is safe to retry.
+    GET  /health    200 {"status": "ok", ...} when serving, 503 while warming up or stopping.
+    GET  /metrics   Prometheus text: requests by status, batches, rows, latencies.
+
+This module needs numpy and safetensors only, so a robot's client does not need torch.
+"""
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+PROTOCOL = "dpa-act/1"
+CONTENT_TYPE = "application/vnd.dpa.safetensors"
+SEED_KEY = "seed"
+# safetensors' header: an 8-byte little-endian length, then that much JSON.
+_HEADER_LENGTH = struct.Struct("<Q")
+
+
+class RequestError(Exception):
+    """A request the server answers with `status` and `message` (JSON {"error": message})."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a request or response: the shape of ONE observation (or action chunk)."""
+    shape: Tuple[int, ...]
+    dtype: str = "float32"
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, value: Mapping) -> "TensorSpec":
+        return cls(tuple(int(d) for d in value["shape"]), str(value["dtype"]))
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What a served policy takes and returns, as GET /v1/spec reports it."""
+    inputs: Dict[str, TensorSpec]
+    action: TensorSpec
+    max_rows: int
+    info: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def max_request_bytes(self) -> int:
+        """The largest body a valid request can have: max_rows observations, plus room for
+        the safetensors header and metadata."""
+        return self.max_rows * sum(spec.nbytes for spec in self.inputs.values()) + 4096
+
+    def to_json(self) -> dict:
+        return {"protocol": PROTOCOL, "inputs": {k: v.to_json() for k, v in self.inputs.items()},
+                "action": self.action.to_json(), "max_rows": self.max_rows,
+                "max_request_bytes": self.max_request_bytes, **self.info}
+
+    @classmethod
+    def from_json(cls, value: Mapping) -> "PolicySpec":
+        if value.get("protocol") != PROTOCOL:
+            raise ValueError(f"the server speaks {value.get('protocol')!r}, this client {PROTOCOL!r}")
+        known = {"protocol", "inputs", "action", "max_rows", "max_request_bytes"}
+        return cls({k: TensorSpec.from_json(v) for k, v in value["inputs"].items()},
+                   TensorSpec.from_json(value["action"]), int(value["max_rows"]),
+                   {k: v for k, v in value.items() if k not in known})
+
+
+@dataclass
+class ActRequest:
+    """A decoded, validated POST /v1/act: `inputs` are [rows, *shape] arrays; `single` says
+    the client sent one observation without the leading dimension (and gets its action
+    chunk without one)."""
+    inputs: Dict[str, np.ndarray]
+    rows: int
+    single: bool
+    seed: Optional[int] = None
+
+
+def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Optional[Mapping[str, str]] = None) -> bytes:
+    from safetensors.numpy import save
+
+    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                metadata={k: str(v) for k, v in (metadata or {}).items()} or None)
+
+
+def decode_tensors(body: bytes) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+    """The tensors and metadata of a safetensors body; RequestError(400) if it is not one.
+    safetensors checks the header against the body's length before anything is read."""
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(body)
+        (length,) = _HEADER_LENGTH.unpack_from(body)
+        metadata = json.loads(body[8:8 + length]).get("__metadata__") or {}
+    # The body is untrusted bytes: any failure to parse it is the sender's error, reported
+    # with the parser's message rather than as a server fault.
+    except Exception as error:  # noqa: BLE001
+        raise RequestError(400, f"the body is not a safetensors file: {error}") from error
+    return tensors, metadata
+
+
+def parse_act_request(body: bytes, spec: PolicySpec) -> ActRequest:
+    """Validate a POST /v1/act body against the policy's spec; RequestError names what is wrong."""
+    if len(body) > spec.max_request_bytes:
+        raise RequestError(413, f"the body has {len(body)} bytes, more than the {spec.max_request_bytes} "
+                                f"that {spec.max_rows} observations take")
+    tensors, metadata = decode_tensors(body)
+    missing, extra = sorted(set(spec.inputs) - set(tensors)), sorted(set(tensors) - set(spec.inputs))
+    if missing or extra:
+        raise RequestError(400, f"the inputs must be exactly {sorted(spec.inputs)}: "
+                                + ", ".join(filter(None, [missing and f"missing {missing}",
+                                                          extra and f"unexpected {extra}"])))
+    rows, single = None, None
+    for name, expected in spec.inputs.items():
+        array = tensors[name]
+        if array.dtype != np.dtype(expected.dtype):
+            raise RequestError(400, f"input {name!r} must be {expected.dtype}, got {array.dtype}")
+        shape = tuple(array.shape)
+        this_single = shape == expected.shape
+        if not this_single and not (len(shape) == len(expected.shape) + 1 and shape[1:] == expected.shape):
+            raise RequestError(400, f"input {name!r} must be {list(expected.shape)} (one observation) or "
+                                    f"[n, {', '.join(map(str, expected.shape))}], got {list(shape)}")
+        this_rows = 1 if this_single else shape[0]
+        if rows is not None and (this_rows, this_single) != (rows, single):
+            raise RequestError(400, f"input {name!r} holds {'one observation' if this_single else this_rows} "
+                                    f"but an earlier input {'one observation' if single else rows}: every input "
+                                    f"needs the same leading dimension")
+        rows, single = this_rows, this_single
+        if not np.isfinite(array).all():
+            raise RequestError(400, f"input {name!r} has NaN or infinite values")
+    if not 1 <= rows <= spec.max_rows:
+        raise RequestError(400, f"a request holds 1 to {spec.max_rows} observations, got {rows}")
+    unknown = sorted(set(metadata) - {SEED_KEY})
+    if unknown:
+        raise RequestError(400, f"unknown metadata {unknown}; the only key is {SEED_KEY!r}")
+    seed = None
+    if SEED_KEY in metadata:
+        try:
+            seed = int(metadata[SEED_KEY])
+        except ValueError:
+            seed = -1
+        if not 0 <= seed < 2 ** 63:
+            raise RequestError(400, f"metadata {SEED_KEY!r} must be an integer in [0, 2**63), got "
+                                    f"{metadata[SEED_KEY]!r}")
+    inputs = {name: tensors[name].reshape((rows,) + spec.inputs[name].shape) for name in spec.inputs}
+    return ActRequest(inputs, rows, single, seed)
+
+
+def encode_request(inputs: Mapping[str, np.ndarray], seed: Optional[int] = None) -> bytes:
+    return encode_tensors(inputs, None if seed is None else {SEED_KEY: str(int(seed))})
+
+
+def encode_action(action: np.ndarray, timings: Mapping[str, float]) -> bytes:
+    return encode_tensors({"action": action}, {k: _format_number(v) for k, v in timings.items()})
+
+
+def server_timing_header(timings: Mapping[str, float]) -> str:
+    """The Server-Timing header of a response (durations in ms; browsers and proxies show it)."""
+    return ", ".join(f"{k.removesuffix('_ms')};dur={v:.3f}" if k.endswith("_ms") else f"{k};desc={_format_number(v)}"
+                     for k, v in timings.items())
+
+
+def _format_number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.4f}"
+
+
+def decode_action(body: bytes) -> Tuple[np.ndarray, Dict[str, float]]:
+    tensors, metadata = decode_tensors(body)
+    if "action" not in tensors:
+        raise ValueError(f"the response has no 'action' tensor (it has {sorted(tensors)})")
+    timings = {}
+    for key, value in metadata.items():
+        try:
+            timings[key] = float(value)
+        except ValueError:
+            continue
+        if math.isnan(timings[key]):
+            del timings[key]
+    return tensors["action"], timings

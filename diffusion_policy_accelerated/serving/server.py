@@ -1,0 +1,196 @@
+"""`dpa serve`: one process, one device, many robots, over HTTP (see protocol.py).
+
+aiohttp serves the protocol; a `Batcher` turns concurrent requests into one sampler call per
+batch. The server starts listening at once (GET /health answers 503 "warming up", so an
+orchestrator can tell starting from dead) while every batch bucket's CUDA graph is captured,
+then serves. SIGINT/SIGTERM stop it gracefully: new requests get 503, queued and running
+ones are answered, then it exits.
+"""
+import asyncio
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from aiohttp import web
+
+from .batcher import Batcher, ClientGone, Overloaded
+from .metrics import Metrics
+from .policies import ServedPolicy
+from .protocol import CONTENT_TYPE, RequestError, encode_action, parse_act_request, server_timing_header
+
+RETRY_AFTER_S = "1"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _json(status: int, payload: dict, **headers) -> web.Response:
+    return web.Response(status=status, text=json.dumps(payload), content_type="application/json",
+                        headers=headers or None)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json(status, {"error": message}, **({"Retry-After": RETRY_AFTER_S} if status == 503 else {}))
+
+
+def _connected(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is not None and not transport.is_closing()
+
+
+class PolicyServer:
+    """Serves `policy` on host:port (port 0: any free port; see `port` after `start`).
+
+    `max_wait_ms`: how long a request may wait for others to share its batch when the device
+    is idle; `max_queue_rows`: how many observation rows may wait (default 4 batches) before
+    requests are refused with 503."""
+
+    def __init__(self, policy: ServedPolicy, *, host: str = "127.0.0.1", port: int = 8700,
+                 max_wait_ms: float = 2.0, max_queue_rows: Optional[int] = None,
+                 log: Callable[[str], None] = _log):
+        self.policy = policy
+        self.host, self.port = host, port
+        self.log = log
+        self.metrics = Metrics()
+        self.batcher = Batcher(policy, max_wait_s=max_wait_ms / 1e3, max_queue_rows=max_queue_rows,
+                               metrics=self.metrics)
+        self.stopping = False
+        self.warm_up: Optional[asyncio.Task] = None
+        self._runner: Optional[web.AppRunner] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _app(self) -> web.Application:
+        # aiohttp refuses a larger body with 413 before reading it.
+        app = web.Application(client_max_size=self.policy.spec.max_request_bytes)
+        app.add_routes([web.post("/v1/act", self._act), web.get("/v1/spec", self._spec),
+                        web.get("/health", self._health), web.get("/metrics", self._metrics)])
+        return app
+
+    async def start(self) -> None:
+        """Listen, and start warming up (`wait_ready` waits for it)."""
+        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        self.log(f"dpa serve: {self.policy.name} on {self.policy.device}, listening on {self.url}; "
+                 f"warming up batches {self.policy.buckets}" + (" (one CUDA graph each)..." if self.policy.device.type == "cuda" else "..."))
+        self.warm_up = asyncio.create_task(self.batcher.start(self.log))
+
+    async def wait_ready(self) -> None:
+        await self.warm_up
+        self.log(f"dpa serve: ready on {self.url} (POST /v1/act, GET /v1/spec /health /metrics)")
+
+    async def stop(self, drain_timeout: float = 30.0) -> None:
+        """Refuse new requests, answer the queued and running ones, close."""
+        self.stopping = True
+        if self.warm_up is not None and not self.warm_up.done():
+            self.warm_up.cancel()
+        await self.batcher.stop(drain_timeout)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ------------------------------------------------------------------ handlers
+    async def _act(self, request: web.Request) -> web.Response:
+        start = time.perf_counter()
+        response = await self._answer(request)
+        self.metrics.observe_request(response.status, time.perf_counter() - start)
+        return response
+
+    async def _answer(self, request: web.Request) -> web.Response:
+        start = time.perf_counter()
+        try:
+            body = await request.read()
+            result = await self.batcher.submit(parse_act_request(body, self.policy.spec),
+                                               lambda: _connected(request))
+        except RequestError as error:
+            return _error(error.status, error.message)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"the body is larger than the {self.policy.spec.max_request_bytes} bytes that "
+                               f"{self.policy.max_rows} observations take")
+        except Overloaded as error:
+            return _error(503, str(error))
+        except (ClientGone, ConnectionError):
+            return _error(499, "the client disconnected")
+        # Whatever else failed is the server's fault, reported to the client; the server goes on.
+        except Exception as error:  # noqa: BLE001
+            self.log(f"dpa serve: a batch failed: {type(error).__name__}: {error}")
+            return _error(500, f"{type(error).__name__}: {error}")
+        timings = {**result.timings, "server_ms": 1e3 * (time.perf_counter() - start)}
+        return web.Response(body=encode_action(result.action, timings), content_type=CONTENT_TYPE,
+                            headers={"Server-Timing": server_timing_header(timings)})
+
+    async def _spec(self, request: web.Request) -> web.Response:
+        return _json(200, self.policy.spec.to_json())
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.stopping or not self.batcher.ready:
+            return _json(503, {"status": "stopping" if self.stopping else "warming up"}, **{"Retry-After": RETRY_AFTER_S})
+        return _json(200, {"status": "ok", "policy": self.policy.name, "queued_rows": self.batcher.queued_rows})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def serve(server: PolicyServer) -> None:
+    """Run `server` until SIGINT or SIGTERM, then stop it gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({server.warm_up, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if server.warm_up in done:
+        await server.wait_ready()  # raises if warming up failed
+        await waiter
+    server.log("dpa serve: stopping: answering queued requests...")
+    await server.stop()
+    server.log("dpa serve: stopped")
+
+
+class ServerThread:
+    """A PolicyServer on a background thread's event loop, for tests, notebooks and programs
+    that embed a server: `with ServerThread(policy, port=0) as server: ... server.url`."""
+
+    def __init__(self, policy: ServedPolicy, **options):
+        self.server = PolicyServer(policy, **options)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="dpa-serve-loop", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def call(self, coroutine, timeout: Optional[float] = None):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        try:
+            self.call(self.server.start())
+            self.call(self.server.wait_ready())
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self, drain_timeout: float = 30.0) -> None:
+        if self.thread.is_alive():
+            try:
+                self.call(self.server.stop(drain_timeout))
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self.thread.join()
+        self.loop.close()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
