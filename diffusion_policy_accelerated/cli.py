@@ -41,9 +41,13 @@ def serve_main(argv) -> int:
     parser.add_argument("--port", type=int, default=8700)
     parser.add_argument("--max-wait-ms", type=float, default=2.0, help="how long an idle server waits for "
                         "more requests to share a batch")
-    parser.add_argument("--max-queue", type=int, help="observations that may wait before requests get 503 "
-                        "(default 4 batches)")
+    parser.add_argument("--max-queue", type=int, help="observations (on Ray Serve: requests) that may "
+                        "wait before requests get 503 (default 4 batches; on Ray Serve unbounded)")
+    parser.add_argument("--ray-replicas", type=int, metavar="N", help="serve through Ray Serve with N replicas "
+                        "(one GPU each where the cluster has GPUs) on the Ray cluster of RAY_ADDRESS, or a local one")
     args = parser.parse_args(argv)
+    if args.ray_replicas:
+        return _serve_on_ray(args)
     from .serving.policies import load_policy
     from .serving.server import PolicyServer, serve
 
@@ -51,6 +55,33 @@ def serve_main(argv) -> int:
     server = PolicyServer(policy, host=args.host, port=args.port, max_wait_ms=args.max_wait_ms,
                           max_queue_rows=args.max_queue)
     asyncio.run(serve(server))
+    return 0
+
+
+def _serve_on_ray(args) -> int:
+    import os
+    import signal
+    import threading
+
+    import ray
+    from ray import serve
+
+    from .serving.ray_serve import build_app
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+    serve.start(http_options={"host": args.host, "port": args.port})
+    print(f"dpa serve: deploying {args.ray_replicas} replicas ({gpus} GPU each) on Ray Serve; each warms up "
+          f"before it takes traffic...", file=sys.stderr, flush=True)
+    serve.run(build_app(source_from_args(args), num_replicas=args.ray_replicas, num_gpus=gpus,
+                        max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                        max_queued_requests=args.max_queue or -1), name="dpa", route_prefix="/")
+    print(f"dpa serve: ready on http://{args.host}:{args.port} through Ray Serve", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
     return 0
 
 

@@ -148,7 +148,8 @@ def load_policy(source: PolicySource, max_rows: int = 64) -> ServedPolicy:
     """The ServedPolicy of `source`, on its device (default: CUDA where there is one)."""
     device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[source.dtype]
-    info = {"dtype": source.dtype}
+    info = {"dtype": source.dtype, "torch": torch.__version__,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     if source.kind == "demo":
         return _demo_policy(source, device, dtype, max_rows, info)
     if source.kind == "checkpoint":

@@ -2,7 +2,7 @@
 # Everything a GPU has to confirm, in one run (CONTRIBUTING.md): build, the whole test suite
 # on the GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the
 # profiler. DPA_STAGES picks stages (default: all, in this order):
-#   tests sanitize blocks demo bench profile ncu
+#   tests sanitize blocks demo bench serve profile ncu
 # DPA_TESTS narrows the tests stage to some files; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
 # (seconds) bound those stages, so that a hung kernel leaves its logs behind. Logs, JSON,
 # plots and traces go to $WORK, packed at the end into $OUT/results.tgz. Python packages a
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dpa_gpu_check}
 WORK=${DPA_WORK:-/tmp/dpa_gpu_work}
-STAGES=${DPA_STAGES:-tests sanitize blocks demo bench profile ncu}
+STAGES=${DPA_STAGES:-tests sanitize blocks demo bench serve profile ncu}
 mkdir -p "$OUT" "$WORK"
 status=0
 pack() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
@@ -89,6 +89,12 @@ fi
 if want bench; then
   echo "== benchmark: ms per action chunk, side by side"
   python3 scripts/benchmark.py --out "$WORK" ${DPA_BENCH_ARGS:-} 2>&1 | tee "$WORK/benchmark.txt" || status=1
+fi
+
+if want serve; then
+  echo "== serving: dpa serve under 1-64 concurrent clients on loopback (DPA_SERVE_ARGS)"
+  python3 scripts/load_test.py --json "$WORK/load_test.json" --plot "$WORK/serving.png" ${DPA_SERVE_ARGS:-} \
+    2>"$WORK/serve_server.log" | tee "$WORK/load_test.txt" || status=1
 fi
 
 if want profile; then

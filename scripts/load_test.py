@@ -1,0 +1,198 @@
+"""Load test of `dpa serve`: 1 to 64 concurrent robots on loopback, each calling in a closed loop.
+
+    python scripts/load_test.py --dtype bfloat16                       # demo lowdim U-Net, DDPM-100
+    python scripts/load_test.py --clients 1 8 64 --malformed-every 5   # every 5th request malformed
+    python scripts/load_test.py --ray-replicas 2 --kill-replica        # through Ray Serve, one replica killed
+
+Starts `dpa serve` (or `dpa serve --ray-replicas N`) as a process of its own on 127.0.0.1,
+waits for its warm-up, then for each client count runs that many client threads, each sending
+`--requests` requests one after another with fresh observations. The 1-client row is the
+baseline: sequential batch-1 calls through the same server. Per row: action chunks per second
+and its ratio to the baseline, client-side p50 / p99 latency and the p99's ratio to a lone
+request's p50, the mean batch the server formed, and the malformed requests mixed in (each
+must get a 4xx, every other request an action). With `--kill-replica`, one Ray Serve replica
+is killed in the middle of the largest row: its requests must still be answered (the client
+retries). Every run is bounded (fixed request counts, timeouts); the server is stopped at the
+end. Writes a JSON and, with `--plot`, a figure.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+from diffusion_policy_accelerated.serving import protocol
+from diffusion_policy_accelerated.serving.client import PolicyClient
+
+MALFORMED = [b"not safetensors", {"nan": True}, {"float64": True}, {"extra": True}]
+
+
+def malformed_body(spec, k):
+    kind = MALFORMED[k % len(MALFORMED)]
+    if isinstance(kind, bytes):
+        return kind
+    inputs = {name: np.zeros(s.shape, np.float64 if "float64" in kind else np.float32) for name, s in spec.inputs.items()}
+    if "nan" in kind:
+        next(iter(inputs.values())).flat[0] = np.nan
+    if "extra" in kind:
+        inputs["extra"] = np.zeros(1, np.float32)
+    return protocol.encode_tensors(inputs)
+
+
+def robot(url, requests, malformed_every, seed, start_barrier):
+    """One client's closed loop: (latencies of its actions in s, batch rows, malformed sent,
+    malformed rejected with 4xx, retries)."""
+    rng = np.random.default_rng(seed)
+    latencies, rows, sent_bad, rejected = [], [], 0, 0
+    with PolicyClient(url, timeout=30, deadline=120) as client:
+        spec = client.spec
+        start_barrier.wait()
+        for k in range(requests):
+            if malformed_every and k % malformed_every == malformed_every - 1:
+                sent_bad += 1
+                status, _ = client._call("POST", "/v1/act", malformed_body(spec, k), retry=False)
+                rejected += 400 <= status < 500
+                continue
+            obs = {name: rng.standard_normal(s.shape).astype(np.float32) for name, s in spec.inputs.items()}
+            start = time.perf_counter()
+            client.act(obs)
+            latencies.append(time.perf_counter() - start)
+            rows.append(client.last_timings.get("batch_rows", 1))
+        return latencies, rows, sent_bad, rejected, client.retries
+
+
+def run_row(url, clients, requests, malformed_every, kill=None):
+    barrier = threading.Barrier(clients + 1)
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(robot, url, requests, malformed_every, 1000 * clients + i, barrier) for i in range(clients)]
+        barrier.wait(timeout=120)
+        start = time.perf_counter()
+        if kill is not None:
+            kill()
+        results = [f.result(timeout=600) for f in futures]
+    wall = time.perf_counter() - start
+    latencies = np.array([x for r in results for x in r[0]])
+    return {"clients": clients, "actions": len(latencies), "wall_s": wall, "chunks_per_s": len(latencies) / wall,
+            "p50_ms": 1e3 * float(np.percentile(latencies, 50)), "p99_ms": 1e3 * float(np.percentile(latencies, 99)),
+            "mean_batch": statistics.mean(x for r in results for x in r[1]),
+            "malformed": sum(r[2] for r in results), "rejected": sum(r[3] for r in results),
+            "retries": sum(r[4] for r in results)}
+
+
+def start_server(args, port):
+    command = [sys.executable, "-m", "diffusion_policy_accelerated.cli", "serve", "--port", str(port),
+               "--dtype", args.dtype, "--scheduler", args.scheduler, "--max-batch", str(args.max_batch)]
+    command += ["--steps", str(args.steps)] if args.steps else []
+    command += ["--device", args.device] if args.device else []
+    command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    command += ["--ray-replicas", str(args.ray_replicas)] if args.ray_replicas else []
+    print("starting:", " ".join(command[2:]), flush=True)
+    # The server's warm-up progress goes to this terminal (its stderr).
+    return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def kill_a_replica():
+    import ray
+
+    ray.init(address="auto", log_to_driver=False)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("SERVE_REPLICA::dpa#")]
+
+    def kill():
+        def later():
+            time.sleep(2.0)
+            ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+            print(f"  killed replica {names[0]}", flush=True)
+        threading.Thread(target=later, daemon=True).start()
+    return kill
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--requests", type=int, default=20, help="requests per client per row")
+    parser.add_argument("--malformed-every", type=int, default=0, help="make every k-th request malformed")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"])
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--device")
+    parser.add_argument("--checkpoint", help="serve this Diffusion Policy lowdim checkpoint instead of the demo")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--ray-replicas", type=int, help="through Ray Serve with this many replicas")
+    parser.add_argument("--kill-replica", action="store_true", help="kill one Ray Serve replica in the largest row")
+    parser.add_argument("--json", default="load_test.json")
+    parser.add_argument("--plot", help="write a figure of throughput and p99 against clients here")
+    args = parser.parse_args(argv)
+    if args.kill_replica and not args.ray_replicas:
+        parser.error("--kill-replica needs --ray-replicas")
+
+    server = start_server(args, args.port)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        with PolicyClient(url) as client:
+            client.wait_ready(timeout=900)
+            spec = client.spec
+        print(f"serving {spec.info.get('policy')} ({spec.info.get('scheduler', '').upper()}-{spec.info.get('steps')}, "
+              f"{spec.info.get('dtype')} on {spec.info.get('device_name')}, torch {spec.info.get('torch')})", flush=True)
+        header = (f"{'clients':>7} {'actions':>7} {'chunks/s':>9} {'x seq':>6} {'p50 ms':>8} {'p99 ms':>8} "
+                  f"{'p99/lone':>8} {'batch':>6} {'bad 4xx':>8} {'retries':>7}")
+        print(header, flush=True)
+        rows = []
+        for clients in args.clients:
+            kill = kill_a_replica() if args.kill_replica and clients == max(args.clients) else None
+            row = run_row(url, clients, args.requests, args.malformed_every, kill)
+            base = rows[0] if rows else row
+            row["x_sequential"] = row["chunks_per_s"] / base["chunks_per_s"]
+            row["p99_over_lone"] = row["p99_ms"] / base["p50_ms"]
+            rows.append(row)
+            print(f"{clients:>7} {row['actions']:>7} {row['chunks_per_s']:>9.1f} {row['x_sequential']:>6.1f} "
+                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['p99_over_lone']:>8.2f} {row['mean_batch']:>6.1f} "
+                  f"{row['rejected']:>4}/{row['malformed']:<3} {row['retries']:>7}", flush=True)
+            if row["rejected"] != row["malformed"]:
+                raise SystemExit(f"{row['malformed'] - row['rejected']} malformed requests were not answered with 4xx")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    with open(args.json, "w") as f:
+        json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, spec, args.plot)
+
+
+def plot(rows, spec, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    clients = [r["clients"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(clients, [r["chunks_per_s"] for r in rows], "o-", label="dpa serve")
+    left.plot(clients, [rows[0]["chunks_per_s"]] * len(rows), "--", label="sequential batch-1 calls")
+    left.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="action chunks / s")
+    left.legend()
+    right.plot(clients, [r["p50_ms"] for r in rows], "o-", label="p50")
+    right.plot(clients, [r["p99_ms"] for r in rows], "s-", label="p99")
+    right.axhline(3 * rows[0]["p50_ms"], linestyle="--", color="gray", label="3x a lone request")
+    right.set(xscale="log", xlabel="concurrent clients", ylabel="latency per request (ms)")
+    right.legend()
+    info = spec.info
+    fig.suptitle(f"dpa serve, {info.get('scheduler', '').upper()}-{info.get('steps')} {info.get('dtype')} on "
+                 f"{info.get('device_name')} (torch {info.get('torch')}): {info.get('policy')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
