@@ -5,11 +5,12 @@
     python scripts/load_test.py --ray-replicas 2 --kill-replica        # through Ray Serve, one replica killed
 
 Starts `dpa serve` (or `dpa serve --ray-replicas N`) as a process of its own on 127.0.0.1,
-waits for its warm-up, then for each client count runs that many client threads, each sending
-`--requests` requests one after another with fresh observations. The 1-client row is the
+waits for its warm-up, then for each client count runs that many client processes (robots
+are separate machines: threads of one process would queue on its interpreter lock), each
+sending `--requests` requests one after another with fresh observations. The 1-client row is the
 baseline: sequential batch-1 calls through the same server. Per row: action chunks per second
 and its ratio to the baseline, client-side p50 / p99 latency and the p99's ratio to a lone
-request's p50, the mean batch the server formed, and the malformed requests mixed in (each
+request's p50, the mean batch the server formed and the server's median compute time per batch, and the malformed requests mixed in (each
 must get a 4xx, every other request an action). With `--kill-replica`, one Ray Serve replica
 is killed in the middle of the largest row: its requests must still be answered (the client
 retries). Every run is bounded (fixed request counts, timeouts); the server is stopped at the
@@ -18,6 +19,7 @@ end. Writes a JSON and, with `--plot`, a figure.
 import argparse
 import concurrent.futures
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -45,14 +47,14 @@ def malformed_body(spec, k):
     return protocol.encode_tensors(inputs)
 
 
-def robot(url, requests, malformed_every, seed, start_barrier):
-    """One client's closed loop: (latencies of its actions in s, batch rows, malformed sent,
-    malformed rejected with 4xx, retries)."""
+def robot(url, requests, malformed_every, seed, start_at):
+    """One client's closed loop, from time.time() == start_at: (latencies of its actions in
+    s, batch rows, server compute ms, malformed sent, malformed rejected with 4xx, retries)."""
     rng = np.random.default_rng(seed)
-    latencies, rows, sent_bad, rejected = [], [], 0, 0
+    latencies, rows, compute, sent_bad, rejected = [], [], [], 0, 0
     with PolicyClient(url, timeout=30, deadline=120) as client:
         spec = client.spec
-        start_barrier.wait()
+        time.sleep(max(0.0, start_at - time.time()))
         for k in range(requests):
             if malformed_every and k % malformed_every == malformed_every - 1:
                 sent_bad += 1
@@ -64,25 +66,29 @@ def robot(url, requests, malformed_every, seed, start_barrier):
             client.act(obs)
             latencies.append(time.perf_counter() - start)
             rows.append(client.last_timings.get("batch_rows", 1))
-        return latencies, rows, sent_bad, rejected, client.retries
+            compute.append(client.last_timings.get("compute_ms", float("nan")))
+        return latencies, rows, compute, sent_bad, rejected, client.retries, time.time()
 
 
 def run_row(url, clients, requests, malformed_every, kill=None):
-    barrier = threading.Barrier(clients + 1)
-    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(robot, url, requests, malformed_every, 1000 * clients + i, barrier) for i in range(clients)]
-        barrier.wait(timeout=120)
-        start = time.perf_counter()
+    # fork: the clients need nothing but this module's imports (numpy, safetensors).
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
+        start_at = time.time() + 1.0 + 0.02 * clients  # every process started and connected by then
+        futures = [pool.submit(robot, url, requests, malformed_every, 1000 * clients + i, start_at)
+                   for i in range(clients)]
         if kill is not None:
+            time.sleep(max(0.0, start_at - time.time()))
             kill()
         results = [f.result(timeout=600) for f in futures]
-    wall = time.perf_counter() - start
+    wall = max(r[6] for r in results) - start_at
     latencies = np.array([x for r in results for x in r[0]])
     return {"clients": clients, "actions": len(latencies), "wall_s": wall, "chunks_per_s": len(latencies) / wall,
             "p50_ms": 1e3 * float(np.percentile(latencies, 50)), "p99_ms": 1e3 * float(np.percentile(latencies, 99)),
             "mean_batch": statistics.mean(x for r in results for x in r[1]),
-            "malformed": sum(r[2] for r in results), "rejected": sum(r[3] for r in results),
-            "retries": sum(r[4] for r in results)}
+            "compute_ms": statistics.median(x for r in results for x in r[2]),
+            "malformed": sum(r[3] for r in results), "rejected": sum(r[4] for r in results),
+            "retries": sum(r[5] for r in results)}
 
 
 def start_server(args, port):
@@ -142,7 +148,7 @@ def main(argv=None):
         print(f"serving {spec.info.get('policy')} ({spec.info.get('scheduler', '').upper()}-{spec.info.get('steps')}, "
               f"{spec.info.get('dtype')} on {spec.info.get('device_name')}, torch {spec.info.get('torch')})", flush=True)
         header = (f"{'clients':>7} {'actions':>7} {'chunks/s':>9} {'x seq':>6} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'p99/lone':>8} {'batch':>6} {'bad 4xx':>8} {'retries':>7}")
+                  f"{'p99/lone':>8} {'batch':>6} {'run ms':>7} {'bad 4xx':>8} {'retries':>7}")
         print(header, flush=True)
         rows = []
         for clients in args.clients:
@@ -153,7 +159,7 @@ def main(argv=None):
             row["p99_over_lone"] = row["p99_ms"] / base["p50_ms"]
             rows.append(row)
             print(f"{clients:>7} {row['actions']:>7} {row['chunks_per_s']:>9.1f} {row['x_sequential']:>6.1f} "
-                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['p99_over_lone']:>8.2f} {row['mean_batch']:>6.1f} "
+                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['p99_over_lone']:>8.2f} {row['mean_batch']:>6.1f} {row['compute_ms']:>7.2f} "
                   f"{row['rejected']:>4}/{row['malformed']:<3} {row['retries']:>7}", flush=True)
             if row["rejected"] != row["malformed"]:
                 raise SystemExit(f"{row['malformed'] - row['rejected']} malformed requests were not answered with 4xx")

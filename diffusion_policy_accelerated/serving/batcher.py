@@ -1,11 +1,16 @@
 """Dynamic batching for `dpa serve`: concurrent requests become one sampler call.
 
-Requests wait in a bounded queue (counted in observation rows). One worker takes as many as
-fit in `max_rows` as soon as the device is free, waiting at most `max_wait_s` after the
-oldest arrived for more to come, and runs them in a dedicated thread, so the event loop keeps
-receiving and validating the next requests while the GPU works. Requests that arrive during
-a run form the next batch: under load, batches fill by themselves and `max_wait_s` is only
-paid when the device is idle.
+Requests wait in a bounded queue (counted in observation rows). One worker runs them, as
+many as fit in `max_rows` per sampler call, in a dedicated thread, so that the event loop
+keeps receiving and validating the next requests while the device works.
+
+When the device is free and requests wait, the next batch starts once it is full, or once no
+request has come for `max_wait_s`, or once the device has waited `IDLE_WAITS * max_wait_s`.
+The end of a batch counts as an arrival: its clients are about to send their next requests
+(a robot asks for its next chunk when it gets one), so the worker waits for them rather than
+starting at once with the few that came during the run. Starting at once splits
+closed-loop clients into groups that take turns, each request then waiting for another
+group's batch before its own. A lone request pays `max_wait_s` once.
 
 Every submitted request gets exactly one outcome: its actions, the batch's exception, or
 `ClientGone` if its client disconnected before its batch started (its rows are then not
@@ -23,6 +28,10 @@ import numpy as np
 from .metrics import Metrics
 from .policies import ServedPolicy
 from .protocol import ActRequest
+
+
+# How many max_wait_s an idle device waits at most for a batch to fill.
+IDLE_WAITS = 5
 
 
 class Overloaded(Exception):
@@ -65,6 +74,8 @@ class Batcher:
         self._pending: Deque[_Pending] = collections.deque()
         self._pending_rows = 0
         self._wakeup: Optional[asyncio.Event] = None
+        # Event-loop times of the latest arrival and of the end of the latest batch.
+        self._last_arrival = self._last_batch_end = float("-inf")
         self._worker: Optional[asyncio.Task] = None
         # One thread: the policy (its CUDA graphs and buffers) is used by one thread only.
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpa-serve")
@@ -93,6 +104,7 @@ class Batcher:
         pending = _Pending(request, loop.create_future(), loop.time(), is_connected)
         self._pending.append(pending)
         self._pending_rows += request.rows
+        self._last_arrival = pending.arrival
         self.metrics.queue_rows.set(self._pending_rows)
         self._wakeup.set()
         # A handler cancelled while waiting cancels its future; the worker then skips it.
@@ -121,10 +133,11 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Wait for a full batch, or until the oldest request has waited max_wait_s.
-            deadline = self._pending[0].arrival + self.max_wait_s
+            # Wait for a full batch, while requests keep coming (see the module doc).
+            idle_until = max(loop.time(), self._pending[0].arrival) + IDLE_WAITS * self.max_wait_s
             while self._pending_rows < self.max_rows and self.accepting:
-                remaining = deadline - loop.time()
+                quiet_until = max(self._last_arrival, self._last_batch_end) + self.max_wait_s
+                remaining = min(quiet_until, idle_until) - loop.time()
                 if remaining <= 0:
                     break
                 self._wakeup.clear()
@@ -147,6 +160,7 @@ class Batcher:
             self.metrics.queue_rows.set(self._pending_rows)
             if batch:
                 await self._run(loop, batch)
+                self._last_batch_end = loop.time()
 
     async def _run(self, loop, batch) -> None:
         started = loop.time()
