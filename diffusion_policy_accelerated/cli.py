@@ -1,6 +1,7 @@
 """The `dpa` command: `dpa serve` (a policy over HTTP, see serving/server.py) and `dpa demo`."""
 import argparse
 import asyncio
+import os
 import sys
 
 
@@ -46,6 +47,10 @@ def serve_main(argv) -> int:
     parser.add_argument("--ray-replicas", type=int, metavar="N", help="serve through Ray Serve with N replicas "
                         "(one GPU each where the cluster has GPUs) on the Ray cluster of RAY_ADDRESS, or a local one")
     args = parser.parse_args(argv)
+    if args.ray_replicas is not None and args.ray_replicas < 1:
+        parser.error(f"--ray-replicas must be a positive integer, got {args.ray_replicas}")
+    if args.max_queue is not None and args.max_queue < 1:
+        parser.error(f"--max-queue must be a positive integer, got {args.max_queue}")
     if args.ray_replicas:
         return _serve_on_ray(args)
     from .serving.policies import load_policy
@@ -55,11 +60,14 @@ def serve_main(argv) -> int:
     server = PolicyServer(policy, host=args.host, port=args.port, max_wait_ms=args.max_wait_ms,
                           max_queue_rows=args.max_queue)
     asyncio.run(serve(server))
+    if not server.batcher.drained:
+        # A batch is stuck on the device; its thread would keep the interpreter from exiting.
+        print("dpa serve: a batch did not finish; exiting without it", file=sys.stderr, flush=True)
+        os._exit(1)
     return 0
 
 
 def _serve_on_ray(args) -> int:
-    import os
     import signal
     import threading
 

@@ -332,6 +332,21 @@ def test_shutdown_answers_every_queued_request(demo_policy):
             client.act(observation())
 
 
+def test_shutdown_that_cannot_drain_answers_503(demo_policy):
+    """A batch still running when the drain time is up, and the requests behind it, are
+    answered 503 (safe to retry elsewhere) rather than left without an answer."""
+    server = ServerThread(slow_policy(demo_policy, 1.5), port=0, max_wait_ms=0, max_queue_rows=8).__enter__()
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = pool.submit(raw_post, server.url, protocol.encode_request(observation(8)))
+        time.sleep(0.3)
+        queued = pool.submit(raw_post, server.url, protocol.encode_request(observation(seed=1)))
+        time.sleep(0.2)
+        server.close(drain_timeout=0.2)
+        for future in (running, queued):
+            status, payload = future.result(30)
+            assert status == 503 and "the server stopped before this request" in payload["error"]
+
+
 def test_a_failing_batch_fails_only_its_requests(demo_policy):
     """A batch whose computation raises answers its requests with 500; the next is served."""
     calls = []

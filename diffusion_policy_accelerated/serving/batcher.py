@@ -71,6 +71,8 @@ class Batcher:
         self.metrics = metrics or Metrics()
         self.ready = False
         self.accepting = True
+        # False when stop() gave up on a batch that is still running (see stop()).
+        self.drained = True
         self._pending: Deque[_Pending] = collections.deque()
         self._pending_rows = 0
         self._wakeup: Optional[asyncio.Event] = None
@@ -89,7 +91,17 @@ class Batcher:
         else:
             await loop.run_in_executor(self._executor, self.policy.warm_up, log)
         self._worker = asyncio.create_task(self._work())
+        self._worker.add_done_callback(self._worker_ended)
         self.ready = True
+
+    def _worker_ended(self, worker: asyncio.Task) -> None:
+        """A worker that died of a bug must not leave requests waiting forever: fail them
+        and refuse new ones (/health turns 503)."""
+        if worker.cancelled() or worker.exception() is None:
+            return
+        self.ready = False
+        _fail(self._pending, worker.exception())
+        self._pending.clear()
 
     @property
     def queued_rows(self) -> int:
@@ -111,19 +123,21 @@ class Batcher:
         return await pending.future
 
     async def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, answer every queued one, then stop the worker."""
+        """Refuse new requests, answer every queued one, then stop the worker; after
+        `timeout` seconds, answer what is left with Overloaded (503) instead."""
         self.accepting = False
         if self._worker is not None:
             self._wakeup.set()
             try:
                 await asyncio.wait_for(asyncio.shield(self._worker), timeout)
             except asyncio.TimeoutError:
+                self.drained = False
                 self._worker.cancel()
-                for pending in self._pending:
-                    if not pending.future.done():
-                        pending.future.set_exception(Overloaded("the server stopped before this request ran"))
+                _fail(self._pending, Overloaded("the server stopped before this request ran"))
                 self._pending.clear()
-        self._executor.shutdown(wait=True)
+        # Not waiting for a batch stuck on the device, or for a warm-up: the thread is left to
+        # the process's exit (`dpa serve` exits at once when not drained).
+        self._executor.shutdown(wait=self._worker is not None and self.drained)
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
@@ -167,12 +181,18 @@ class Batcher:
         try:
             actions, timings = await loop.run_in_executor(self._executor, self.policy.act,
                                                           [p.request for p in batch])
+        # A batch still running when stop() gives up answers its requests with 503.
+        except asyncio.CancelledError:
+            _fail(batch, Overloaded("the server stopped before this request's batch finished"))
+            raise
         # A failing batch fails its own requests (a 500 each); the server keeps serving.
         except Exception as error:  # noqa: BLE001
             self.metrics.failed_batches.inc()
-            for pending in batch:
-                if not pending.future.done():
-                    pending.future.set_exception(error)
+            _fail(batch, error)
+            return
+        if len(actions) != len(batch):
+            self.metrics.failed_batches.inc()
+            _fail(batch, RuntimeError(f"the policy returned {len(actions)} results for {len(batch)} requests"))
             return
         self.metrics.observe_batch(timings["batch_rows"], timings["compute_ms"] / 1e3)
         for pending, action in zip(batch, actions):
@@ -180,3 +200,8 @@ class Batcher:
             if not pending.future.done():
                 pending.future.set_result(result)
 
+
+def _fail(pendings, error: BaseException) -> None:
+    for pending in pendings:
+        if not pending.future.done():
+            pending.future.set_exception(error)

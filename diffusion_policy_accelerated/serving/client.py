@@ -53,6 +53,8 @@ class PolicyClient:
         self.prefix = parsed.path.rstrip("/")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not backoff > 0:
+            raise ValueError(f"backoff must be > 0 seconds, got {backoff!r}")
         self.timeout = timeout
         self.deadline = deadline if deadline is not None else 4 * timeout
         self.backoff = backoff
@@ -120,7 +122,7 @@ class PolicyClient:
         while True:
             try:
                 status, payload = self._once(method, path, body, min(self.timeout, max(end - time.monotonic(), 1e-3)))
-                if status < 400 or not retry:
+                if 200 <= status < 300 or not retry:
                     return status, payload
                 if status not in RETRIED_STATUSES:
                     raise RequestRejected(status, _message(payload))
@@ -130,11 +132,12 @@ class PolicyClient:
                 last = f"{type(error).__name__}: {error}"
                 if not retry:
                     raise ServerUnavailable(f"{method} {path}: {last}") from error
-            if time.monotonic() + delay > end:
+            pause = delay * random.uniform(0.5, 1.5)
+            if time.monotonic() + pause + 0.01 > end:  # no time left for another attempt
                 raise ServerUnavailable(f"{method} {path} on {self.host}:{self.port}: no answer within "
                                         f"{self.deadline} s; last: {last}")
             self.retries += 1
-            time.sleep(delay * random.uniform(0.5, 1.5))
+            time.sleep(pause)
             delay *= 2
 
     def _once(self, method: str, path: str, body: Optional[bytes], timeout: float) -> Tuple[int, bytes]:

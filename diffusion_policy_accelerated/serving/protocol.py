@@ -19,6 +19,9 @@ is ever unpickled.
     GET  /health    200 {"status": "ok", ...} when serving, 503 while warming up or stopping.
     GET  /metrics   Prometheus text: requests by status, batches, rows, latencies.
 
+The Ray Serve deployment answers /v1/act (without queue_ms in the timings), /v1/spec and
+/health; Ray Serve has metrics and health checks of its own.
+
 This module needs numpy and safetensors only, so a robot's client does not need torch.
 """
 import json

@@ -58,6 +58,12 @@ class PolicyDeployment:
         path = request.url.path.rstrip("/")
         if request.method == "POST" and path.endswith("/v1/act"):
             try:
+                # Refused before the body is read where the client declares its size.
+                declared = request.headers.get("content-length", "0")
+                if declared.isdigit() and int(declared) > self.policy.spec.max_request_bytes:
+                    raise RequestError(413, f"the body has {declared} bytes, more than the "
+                                            f"{self.policy.spec.max_request_bytes} that {self.policy.max_rows} "
+                                            f"observations take")
                 parsed = parse_act_request(await request.body(), self.policy.spec)
             except RequestError as error:
                 return _json(error.status, {"error": error.message})

@@ -67,7 +67,7 @@ class PolicyServer:
         return f"http://{self.host}:{self.port}"
 
     def _app(self) -> web.Application:
-        # aiohttp refuses a larger body with 413 before reading it.
+        # request.read() stops at this size (the handler then answers 413).
         app = web.Application(client_max_size=self.policy.spec.max_request_bytes)
         app.add_routes([web.post("/v1/act", self._act), web.get("/v1/spec", self._spec),
                         web.get("/health", self._health), web.get("/metrics", self._metrics)])
@@ -100,12 +100,11 @@ class PolicyServer:
     # ------------------------------------------------------------------ handlers
     async def _act(self, request: web.Request) -> web.Response:
         start = time.perf_counter()
-        response = await self._answer(request)
+        response = await self._answer(request, start)
         self.metrics.observe_request(response.status, time.perf_counter() - start)
         return response
 
-    async def _answer(self, request: web.Request) -> web.Response:
-        start = time.perf_counter()
+    async def _answer(self, request: web.Request, start: float) -> web.Response:
         try:
             body = await request.read()
             result = await self.batcher.submit(parse_act_request(body, self.policy.spec),
