@@ -4,7 +4,8 @@ out, for many robots at once in one sampler call.
 `ServedPolicy.act(requests)` stacks the requests' rows, pads them to the next batch-size bucket
 (powers of two up to `max_rows`), so that each bucket's CUDA graph is captured once, at
 warm-up, and never again while serving, draws the noise (a request's `seed` fixes its rows'
-noise whatever batch it lands in), runs the sampler and splits the actions back out.
+noise whatever batch it lands in; their actions then agree to rounding, since each bucket's
+kernels sum in their own order), runs the sampler and splits the actions back out.
 
 `PolicySource` says where a policy comes from (the demo's U-Net, a Diffusion Policy
 checkpoint or a LeRobot pretrained folder) in a form that can be sent to another process: Ray
