@@ -388,5 +388,16 @@ def test_dpa_serve_process(tmp_path):
 def test_cli_usage():
     from diffusion_policy_accelerated.cli import main
     assert main([]) == 2 and main(["nonsense"]) == 2
-    with pytest.raises(SystemExit):
-        main(["serve", "--checkpoint", "a.ckpt", "--lerobot", "folder"])
+    for bad in (["--checkpoint", "a.ckpt", "--lerobot", "folder"], ["--ray-replicas", "0"], ["--max-queue", "0"]):
+        with pytest.raises(SystemExit):
+            main(["serve", *bad])
+
+
+@pytest.mark.parametrize("kwargs,text", [
+    (dict(url="https://host:1"), "url must be http://host:port"),
+    (dict(timeout=0), "timeout must be > 0 seconds"),
+    (dict(backoff=0), "backoff must be > 0 seconds"),
+])
+def test_bad_client_options(kwargs, text):
+    with pytest.raises(ValueError, match=__import__("re").escape(text)):
+        PolicyClient(**{"url": "http://127.0.0.1:1", **kwargs})
