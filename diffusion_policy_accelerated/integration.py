@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .model import ConditionalUnet1D
+from .policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
 from .sampler import FollowingSampler, GraphedSampler
 from .schedulers import DenoiseSchedule
 
@@ -105,6 +106,10 @@ class _AcceleratedConditionalSample:
             self.policy.noise_scheduler, self.policy.num_inference_steps, eta=eta,
             use_clipped_model_output=use_clipped_model_output), next(self.unet.parameters()).device)
 
+    def sampler_now(self) -> GraphedSampler:
+        """The sampler the next call will use (built anew where the policy changed)."""
+        return self._sampler_for(getattr(self.policy, "kwargs", {}))
+
     def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
                  local_cond: Optional[torch.Tensor] = None,
                  global_cond: Optional[torch.Tensor] = None,
@@ -116,7 +121,8 @@ class _AcceleratedConditionalSample:
                                               global_cond=global_cond, generator=generator)
 
 
-def accelerate(policy, dtype: Optional[torch.dtype] = None):
+def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
+               encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: bool = False):
     """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) or a LeRobot
     DiffusionPolicy (see `diffusion_policy_accelerated.lerobot`) sample with this package, in
     place, and return it.
@@ -128,6 +134,15 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     the same loop eagerly on the CPU), so `policy.predict_action(obs_dict)` returns what it
     did. The original U-Net stays reachable as `policy._dpa_original_model`.
 
+    With `whole_graph` (the default), `policy.predict_action` itself runs as one CUDA graph per
+    input shape on CUDA: normalisation, the observation encoder, the denoising loop and the
+    action slicing in one replay (policy_graph.py; a policy whose encoder cannot be captured
+    warns once and runs it eagerly). The graphs hold the policy's modules as they are at the
+    first call: moving, converting or loading weights afterwards is followed, replacing a
+    submodule (`policy.obs_encoder = ...`) is not; accelerate a fresh policy for that.
+    `encoder_dtype` (torch.float16 / torch.bfloat16) runs the image policies' `obs_encoder` under
+    autocast, `encoder_channels_last` with channels-last weights.
+
     The policy must be in eval mode and its scheduler a DDPMScheduler or DDIMScheduler with
     options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`),
     changing `num_inference_steps` or the scheduler, and updating `policy.model`'s weights in
@@ -135,10 +150,13 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if not isinstance(whole_graph, bool):
+        raise TypeError(f"whole_graph must be a bool, got {whole_graph!r}")
     from . import lerobot  # here: it reads checkpoint.py, which reads this module
 
     if lerobot.is_lerobot_policy(policy):
-        return lerobot.accelerate_lerobot(policy, dtype)
+        return lerobot.accelerate_lerobot(policy, dtype, whole_graph=whole_graph, encoder_dtype=encoder_dtype,
+                                          encoder_channels_last=encoder_channels_last)
     missing = [name for name in POLICY_ATTRIBUTES if not hasattr(policy, name)]
     if missing:
         raise TypeError(f"{type(policy).__name__} has no {missing}: accelerate() takes a Diffusion "
@@ -150,6 +168,8 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     if policy.training:
         raise ValueError("the policy is in training mode: call policy.eval() before accelerate(), "
                          "which is for inference")
+    encoder = getattr(policy, "obs_encoder", None)
+    check_encoder_options(encoder, "policy.obs_encoder", encoder_dtype, encoder_channels_last)
     unet = unet_from_diffusion_policy(policy.model).eval()
     if dtype is not None:
         unet = unet.to(dtype=dtype)
@@ -160,4 +180,9 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None):
     policy.model = unet
     # An instance attribute shadows the class's method, which is what predict_action calls.
     policy.conditional_sample = conditional_sample
+    if encoder is not None:
+        set_encoder_precision(encoder, encoder_dtype, encoder_channels_last)
+    if whole_graph and hasattr(policy, "predict_action"):
+        vars(policy)["predict_action"] = GraphedPolicyCall(
+            policy.predict_action, policy, conditional_sample.sampler_now, "predict_action")
     return policy

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from .checkpoint import unet_config_from_state_dict
 from .model import ConditionalUnet1D
+from .policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
 from .sampler import FollowingSampler, GraphedSampler
 from .schedulers import DenoiseSchedule
 
@@ -131,13 +132,18 @@ class _LeRobotConditionalSample:
     def sampler(self) -> Optional[GraphedSampler]:
         return self.following.sampler
 
-    def __call__(self, batch_size: int, global_cond: Optional[torch.Tensor] = None,
-                 generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def sampler_now(self) -> GraphedSampler:
+        """The sampler the next call will use (built anew where the model changed)."""
         model = self.model
-        sampler = self.following.get(
+        return self.following.get(
             (model.num_inference_steps, id(model.noise_scheduler)),
             lambda: DenoiseSchedule.from_diffusers(model.noise_scheduler, model.num_inference_steps),
             next(_unwrap(model.unet).parameters()).device)
+
+    def __call__(self, batch_size: int, global_cond: Optional[torch.Tensor] = None,
+                 generator: Optional[torch.Generator] = None, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+        model = self.model
+        sampler = self.sampler_now()
         parameter = next(model.parameters())
         like = dict(device=parameter.device, dtype=parameter.dtype)
         shape = (int(batch_size), self.horizon, self.action_dim)
@@ -145,8 +151,12 @@ class _LeRobotConditionalSample:
         return _sample(sampler, shape, like, global_cond, generator, initial)
 
 
-def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None):
-    """`accelerate(policy)` for LeRobot's DiffusionPolicy (see the module doc); returns it."""
+def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
+                       encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: bool = False):
+    """`accelerate(policy)` for LeRobot's DiffusionPolicy (see the module doc); returns it.
+    With `whole_graph`, `policy.diffusion.generate_actions` (image encoders, global condition,
+    denoising loop, slicing) runs as one CUDA graph per input shape (policy_graph.py);
+    `encoder_dtype` and `encoder_channels_last` apply to `policy.diffusion.rgb_encoder`."""
     model = policy.diffusion
     if "_dpa_sample" in vars(model):
         raise ValueError("this policy is already accelerated; accelerate a fresh policy instead")
@@ -159,6 +169,8 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None):
     except AttributeError as error:
         raise TypeError(f"policy.config ({type(config).__name__}) lacks LeRobot DiffusionConfig's horizon or "
                         f"action_feature: {error}") from error
+    encoder = getattr(model, "rgb_encoder", None)
+    check_encoder_options(encoder, "policy.diffusion.rgb_encoder", encoder_dtype, encoder_channels_last)
     unet = unet_from_lerobot(model.unet, dtype)
     sample = _LeRobotConditionalSample(model, unet, horizon, action_dim)
     # Instance attributes, not submodules: the policy's state_dict and .to() see only LeRobot's
@@ -166,6 +178,11 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None):
     # calls.
     vars(model)["_dpa_sample"] = sample
     vars(model)["conditional_sample"] = sample
+    if encoder is not None:
+        set_encoder_precision(encoder, encoder_dtype, encoder_channels_last)
+    if whole_graph:
+        vars(model)["generate_actions"] = GraphedPolicyCall(model.generate_actions, model, sample.sampler_now,
+                                                            "generate_actions")
     return policy
 
 

@@ -20,6 +20,7 @@ same generator, outside the graph: the same distribution as diffusers' per-step 
 the same numbers. Pass `noise` ([steps + 1, *shape]: the initial trajectory, then step i's
 variance noise at index i + 1) to reproduce a run exactly.
 """
+import contextlib
 import sys
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -77,6 +78,18 @@ class GraphedSampler:
             start += table.shape[1]
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
+        self._inlined = 0
+
+    @contextlib.contextmanager
+    def inlined(self) -> Iterator[None]:
+        """Calls within the block run the loop on the caller's stream, eagerly or into a CUDA
+        graph the caller is capturing (a whole policy call: policy_graph.py), not as a replay
+        of a graph of the sampler's own."""
+        self._inlined += 1
+        try:
+            yield
+        finally:
+            self._inlined -= 1
 
     def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
                  local_cond: Optional[torch.Tensor] = None,
@@ -107,7 +120,8 @@ class GraphedSampler:
         inputs = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
                   for k, v in inputs.items()}
         with torch.inference_mode():
-            if not self.use_cuda_graph:
+            # Inside a capture of the caller's own, the loop joins that graph.
+            if not self.use_cuda_graph or self._inlined or torch.cuda.is_current_stream_capturing():
                 trajectory = self._loop(**inputs)
             else:
                 # A graph bakes in the routes and launch features the configuration chose.

@@ -16,7 +16,7 @@ down.0.res0.block0), {mode}_roofline.csv and .png, {mode}_forward.prof, and
 {mode}_forward.png where gprof2dot and Graphviz are installed.
 
     python scripts/profile_action.py --mode {eager,graph,ours} [--device cuda|cpu] [--unet lowdim|image]
-                              [--batch N] [--steps N] [--out DIR] [--no-graph]
+                              [--batch N] [--horizon N] [--steps N] [--out DIR] [--no-graph]
 """
 import argparse
 from pathlib import Path
@@ -78,6 +78,7 @@ def main(argv=None):
                         help="ours: run the sampler's loop without a CUDA graph, so that the trace "
                              "has the ops that launch its kernels (per-op roofline of the fused ops)")
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--steps", type=int, help="DDPM steps (default 100 on CUDA, 10 on a CPU)")
     parser.add_argument("--reps", type=int, default=3, help="actions averaged in the breakdown")
     parser.add_argument("--out", default="profile_out", help="folder for the files")
@@ -105,7 +106,7 @@ def main(argv=None):
     unet.use_fused_ops = args.mode == "ours"
     schedule = DenoiseSchedule.from_diffusers(SCHEDULER_CONFIG, steps, kind="ddpm").to(device)
     generator = torch.Generator(device).manual_seed(0)
-    data = torch.randn(args.batch, HORIZON, config["input_dim"], device=device, generator=generator)
+    data = torch.randn(args.batch, args.horizon, config["input_dim"], device=device, generator=generator)
     mask = torch.zeros_like(data, dtype=torch.bool)
     global_cond = torch.randn(args.batch, config["global_cond_dim"], device=device, generator=generator)
     noise = torch.randn((steps + 1,) + tuple(data.shape), device=device, generator=generator)

@@ -1,12 +1,5 @@
-"""accelerate(policy) on stand-ins for Diffusion Policy's U-Net policies.
-
-`LowdimPolicy` and `ImagePolicy` reproduce what real-stanford/diffusion_policy's
-`DiffusionUnetLowdimPolicy` and `DiffusionUnetImagePolicy` / `DiffusionUnetHybridImagePolicy`
-do at inference (the attributes accelerate() reads, `conditional_sample` with diffusers'
-scheduler, `predict_action` with its mask and condition construction for every way of
-passing observations), written independently: the diffusion_policy package is not a
-dependency. Their U-Net is `dp_reference.RefUnet`, Diffusion Policy's module tree.
-"""
+"""accelerate(policy) on stand-ins for Diffusion Policy's U-Net policies (dp_policies.py),
+whose U-Net is `dp_reference.RefUnet`, Diffusion Policy's module tree."""
 import copy
 
 import pytest
@@ -17,6 +10,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 from conftest import DEVICES
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
 from diffusion_policy_accelerated.integration import unet_from_diffusion_policy
+from dp_policies import ImagePolicy, LowdimPolicy, Sizes, TinyObsEncoder
 from dp_reference import RefUnet, randomize_
 
 SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
@@ -30,179 +24,8 @@ IMAGE_SHAPE, AGENT_POS_DIM, IMAGE_FEATURES = (3, 8, 8), 2, 4
 ACTION_TOLERANCE = 1e-4
 
 
-# --------------------------------------------------------------------------------------
-# Stand-ins for Diffusion Policy's policies.
-# --------------------------------------------------------------------------------------
-
-class AffineField(nn.Module):
-    """One field of Diffusion Policy's LinearNormalizer: x * scale + offset."""
-
-    def __init__(self, shape, generator):
-        super().__init__()
-        self.register_buffer("scale", 1 + torch.rand(shape, generator=generator))
-        self.register_buffer("offset", torch.randn(shape, generator=generator))
-
-    def normalize(self, x):
-        return x * self.scale + self.offset
-
-    def unnormalize(self, x):
-        return (x - self.offset) / self.scale
-
-
-class Normalizer(nn.Module):
-    """LinearNormalizer's inference interface: `normalizer[key]` and `normalize(obs_dict)`."""
-
-    def __init__(self, field_shapes, seed=0):
-        super().__init__()
-        generator = torch.Generator().manual_seed(seed)
-        self.fields = nn.ModuleDict({key: AffineField(shape, generator)
-                                     for key, shape in field_shapes.items()})
-
-    def __getitem__(self, key):
-        return self.fields[key]
-
-    def normalize(self, data):
-        return {key: self.fields[key].normalize(value) for key, value in data.items()}
-
-
-class UnetPolicy(nn.Module):
-    """What the U-Net policies share: ModuleAttrMixin's device/dtype (a dummy parameter,
-    registered first) and the sampling loop."""
-
-    def __init__(self, model, noise_scheduler, num_inference_steps, kwargs):
-        super().__init__()
-        self._dummy_variable = nn.Parameter()
-        self.model = model
-        self.noise_scheduler = noise_scheduler
-        self.num_inference_steps = num_inference_steps
-        # Diffusion Policy passes these to scheduler.step.
-        self.kwargs = kwargs
-
-    @property
-    def device(self):
-        return next(iter(self.parameters())).device
-
-    @property
-    def dtype(self):
-        return next(iter(self.parameters())).dtype
-
-    def conditional_sample(self, condition_data, condition_mask, local_cond=None, global_cond=None,
-                           generator=None, **kwargs):
-        trajectory = torch.randn(condition_data.shape, dtype=condition_data.dtype,
-                                 device=condition_data.device, generator=generator)
-        self.noise_scheduler.set_timesteps(self.num_inference_steps)
-        for t in self.noise_scheduler.timesteps:
-            trajectory[condition_mask] = condition_data[condition_mask]
-            model_output = self.model(trajectory, t, local_cond=local_cond, global_cond=global_cond)
-            trajectory = self.noise_scheduler.step(model_output, t, trajectory, generator=generator,
-                                                   **kwargs).prev_sample
-        trajectory[condition_mask] = condition_data[condition_mask]
-        return trajectory
-
-
-class LowdimPolicy(UnetPolicy):
-    """DiffusionUnetLowdimPolicy at inference; `mode` is how observations reach the U-Net:
-    'global' (obs_as_global_cond), 'global_action_steps' (the same with
-    pred_action_steps_only), 'local' (obs_as_local_cond) or 'inpaint' (neither)."""
-
-    def __init__(self, model, noise_scheduler, mode, num_inference_steps, **kwargs):
-        super().__init__(model, noise_scheduler, num_inference_steps, kwargs)
-        self.obs_as_global_cond = mode in ("global", "global_action_steps")
-        self.obs_as_local_cond = mode == "local"
-        self.pred_action_steps_only = mode == "global_action_steps"
-        self.horizon = N_ACTION_STEPS if self.pred_action_steps_only else HORIZON
-        self.obs_dim, self.action_dim = OBS_DIM, ACTION_DIM
-        self.n_obs_steps, self.n_action_steps = N_OBS_STEPS, N_ACTION_STEPS
-        self.oa_step_convention = False
-        self.normalizer = Normalizer({"obs": [OBS_DIM], "action": [ACTION_DIM]})
-
-    def predict_action(self, obs_dict):
-        nobs = self.normalizer["obs"].normalize(obs_dict["obs"])
-        batch, n_obs, action_dim = nobs.shape[0], self.n_obs_steps, self.action_dim
-        like = dict(device=self.device, dtype=self.dtype)
-        local_cond = global_cond = None
-        if self.obs_as_local_cond:
-            # The observed steps, zero elsewhere, alongside the trajectory.
-            local_cond = torch.zeros(batch, self.horizon, self.obs_dim, **like)
-            local_cond[:, :n_obs] = nobs[:, :n_obs]
-            cond_data = torch.zeros(batch, self.horizon, action_dim, **like)
-            cond_mask = torch.zeros_like(cond_data, dtype=torch.bool)
-        elif self.obs_as_global_cond:
-            global_cond = nobs[:, :n_obs].reshape(batch, -1)
-            length = self.n_action_steps if self.pred_action_steps_only else self.horizon
-            cond_data = torch.zeros(batch, length, action_dim, **like)
-            cond_mask = torch.zeros_like(cond_data, dtype=torch.bool)
-        else:
-            # Inpainting: the trajectory holds actions and observations, the observed ones fixed.
-            cond_data = torch.zeros(batch, self.horizon, action_dim + self.obs_dim, **like)
-            cond_mask = torch.zeros_like(cond_data, dtype=torch.bool)
-            cond_data[:, :n_obs, action_dim:] = nobs[:, :n_obs]
-            cond_mask[:, :n_obs, action_dim:] = True
-        nsample = self.conditional_sample(cond_data, cond_mask, local_cond=local_cond,
-                                          global_cond=global_cond, **self.kwargs)
-        action_pred = self.normalizer["action"].unnormalize(nsample[..., :action_dim])
-        start = n_obs - 1 if self.oa_step_convention else n_obs
-        end = start + self.n_action_steps
-        result = {"action": action_pred if self.pred_action_steps_only else action_pred[:, start:end],
-                  "action_pred": action_pred}
-        if not (self.obs_as_local_cond or self.obs_as_global_cond):
-            obs_pred = self.normalizer["obs"].unnormalize(nsample[..., action_dim:])
-            result["obs_pred"] = obs_pred
-            result["action_obs_pred"] = obs_pred[:, start:end]
-        return result
-
-
-class TinyObsEncoder(nn.Module):
-    """Stands in for the image policies' observation encoder: a dict of per-frame
-    observations [N, ...] to features [N, IMAGE_FEATURES + AGENT_POS_DIM]."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(IMAGE_SHAPE[0], IMAGE_FEATURES, 3, padding=1)
-
-    def forward(self, obs):
-        image_features = torch.relu(self.conv(obs["image"])).mean(dim=(2, 3))
-        return torch.cat([image_features, obs["agent_pos"]], dim=-1)
-
-
 OBS_FEATURE_DIM = IMAGE_FEATURES + AGENT_POS_DIM
-
-
-class ImagePolicy(UnetPolicy):
-    """DiffusionUnetImagePolicy / DiffusionUnetHybridImagePolicy at inference (they differ in
-    the encoder only); `mode` is 'global' (obs_as_global_cond) or 'inpaint'."""
-
-    def __init__(self, model, noise_scheduler, mode, num_inference_steps, **kwargs):
-        super().__init__(model, noise_scheduler, num_inference_steps, kwargs)
-        self.obs_encoder = TinyObsEncoder()
-        self.obs_as_global_cond = mode == "global"
-        self.horizon, self.action_dim, self.obs_feature_dim = HORIZON, ACTION_DIM, OBS_FEATURE_DIM
-        self.n_obs_steps, self.n_action_steps = N_OBS_STEPS, N_ACTION_STEPS
-        self.normalizer = Normalizer({"image": [IMAGE_SHAPE[0], 1, 1], "agent_pos": [AGENT_POS_DIM],
-                                      "action": [ACTION_DIM]})
-
-    def predict_action(self, obs_dict):
-        nobs = self.normalizer.normalize(obs_dict)
-        batch = next(iter(nobs.values())).shape[0]
-        n_obs, action_dim = self.n_obs_steps, self.action_dim
-        like = dict(device=self.device, dtype=self.dtype)
-        # Every observed frame goes through the encoder as its own batch element.
-        frames = {key: value[:, :n_obs].flatten(0, 1) for key, value in nobs.items()}
-        features = self.obs_encoder(frames)
-        global_cond = None
-        if self.obs_as_global_cond:
-            global_cond = features.reshape(batch, -1)
-            cond_data = torch.zeros(batch, self.horizon, action_dim, **like)
-            cond_mask = torch.zeros_like(cond_data, dtype=torch.bool)
-        else:
-            cond_data = torch.zeros(batch, self.horizon, action_dim + self.obs_feature_dim, **like)
-            cond_mask = torch.zeros_like(cond_data, dtype=torch.bool)
-            cond_data[:, :n_obs, action_dim:] = features.reshape(batch, n_obs, -1)
-            cond_mask[:, :n_obs, action_dim:] = True
-        nsample = self.conditional_sample(cond_data, cond_mask, global_cond=global_cond, **self.kwargs)
-        action_pred = self.normalizer["action"].unnormalize(nsample[..., :action_dim])
-        start = n_obs - 1
-        return {"action": action_pred[:, start:start + self.n_action_steps], "action_pred": action_pred}
+SIZES = Sizes(HORIZON, N_OBS_STEPS, N_ACTION_STEPS, ACTION_DIM, OBS_DIM)
 
 
 # (policy class, mode, U-Net constructor arguments beyond UNET_SIZE)
@@ -228,7 +51,12 @@ def make_policy(name, device="cpu", scheduler="ddim", num_inference_steps=None, 
         noise_scheduler, steps = DDIMScheduler(**SCHEDULER_CONFIG), 8
     else:
         noise_scheduler, steps = DDPMScheduler(**SCHEDULER_CONFIG), 10
-    policy = policy_class(model, noise_scheduler, mode, num_inference_steps or steps, **step_kwargs)
+    if policy_class is LowdimPolicy:
+        policy = LowdimPolicy(model, noise_scheduler, mode, num_inference_steps or steps, SIZES, **step_kwargs)
+    else:
+        policy = ImagePolicy(model, noise_scheduler, mode, num_inference_steps or steps, SIZES,
+                             TinyObsEncoder(IMAGE_SHAPE[0], IMAGE_FEATURES), OBS_FEATURE_DIM,
+                             {"image": IMAGE_SHAPE, "agent_pos": (AGENT_POS_DIM,)}, **step_kwargs)
     return policy.to(device).eval()
 
 

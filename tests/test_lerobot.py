@@ -169,6 +169,30 @@ def test_bfloat16(device):
     assert (actions - expected).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_image_policy_whole_graph_with_a_channels_last_encoder(device):
+    """generate_actions (the ResNet encoder, the global condition, the loop) as one CUDA graph
+    per batch size, the encoder's weights channels-last; fresh observations on every call."""
+    reference = make_policy(image=True, device=device)
+    policy = dpa.accelerate(copy.deepcopy(reference), encoder_channels_last=True)
+    for call, batch in enumerate([2, 3, 2]):
+        obs = observations(reference, batch, device, seed=call)
+        noise = torch.randn(batch, 16, 2).to(device)
+        with torch.no_grad():
+            torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
+                                       reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+    if device == "cuda":
+        assert len(policy.diffusion.generate_actions._graphs) == 2
+
+
+def test_encoder_options_without_images_are_refused():
+    policy = make_policy()
+    with pytest.raises(ValueError, match=r"encoder_dtype: the policy has no observation encoder "
+                                         r"\(policy.diffusion.rgb_encoder\)"):
+        dpa.accelerate(policy, encoder_dtype=torch.float16)
+    assert "conditional_sample" not in vars(policy.diffusion)
+
+
 @pytest.mark.parametrize("change,error,text", [
     ("train", ValueError, "the policy is in training mode"),
     ("twice", ValueError, "this policy is already accelerated"),

@@ -1,0 +1,184 @@
+"""End-to-end predict_action latency (what a robot waits for), side by side, for Diffusion
+Policy's Push-T lowdim and image policies (ResNet18-GroupNorm encoder per camera, 96x96 images
+centre-cropped to 84x84, 2 observation steps, horizon 16):
+
+  eager         the policy as Diffusion Policy runs it: encoder, PyTorch U-Net and diffusers'
+                scheduler, launch by launch
+  loop graph    accelerate(policy, whole_graph=False): the denoising loop as one CUDA graph,
+                normalisation and encoder eager
+  whole graph   accelerate(policy): normalisation, encoder, loop and action slicing in one replay
+  + fp16 enc, + bf16 enc, + channels-last
+                the whole graph with encoder_dtype=torch.float16 / bfloat16, or
+                encoder_channels_last=True; max|da| is their largest action difference from
+                the fp32 whole graph on the same observations and noise
+  sampler       the accelerated sampler alone, on the global condition computed beforehand:
+                what the whole graph is held against ("over sampler")
+
+The policies are the stand-ins of tests/dp_policies.py (Diffusion Policy is not on PyPI), with
+random weights. Wall-clock medians after warm-up, each call synchronised, so host work counts;
+TF32 off. Writes JSON and a PNG plot.
+
+    python scripts/benchmark_policy.py [--policy lowdim image1 image3] [--batch 1 8]
+                                       [--schedule DDIM-16 DDPM-100] [--out DIR]
+"""
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from diffusers import DDIMScheduler, DDPMScheduler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes  # noqa: E402
+
+from diffusion_policy_accelerated import ConditionalUnet1D, accelerate  # noqa: E402
+from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+
+SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
+POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras
+SIZES = Sizes(horizon=HORIZON, n_obs_steps=2, n_action_steps=8, action_dim=2, obs_dim=20)
+IMAGE, CROP = (3, 96, 96), 84
+
+
+def make_policy(name, schedule):
+    """The Push-T policy `name` as Diffusion Policy runs it (its U-Net with PyTorch's ops)."""
+    torch.manual_seed(0)
+    cameras = POLICIES[name]
+    scheduler_cls, steps = SCHEDULES[schedule]
+    scheduler = scheduler_cls(**SCHEDULER_CONFIG)
+    if cameras == 0:
+        unet = ConditionalUnet1D(**UNETS["lowdim"])
+        policy = LowdimPolicy(unet, scheduler, "global", steps, SIZES)
+    else:
+        keys = [f"camera{i}" for i in range(cameras)]
+        feature_dim = 512 * cameras + 2
+        unet = ConditionalUnet1D(**{**UNETS["image"], "global_cond_dim": feature_dim * SIZES.n_obs_steps})
+        policy = ImagePolicy(unet, scheduler, "global", steps, SIZES, ResNetObsEncoder(keys, CROP), feature_dim,
+                             {**{key: IMAGE for key in keys}, "agent_pos": (2,)})
+    unet.use_fused_ops = False
+    return policy.cuda().eval()
+
+
+def make_obs(name, batch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    steps = (batch, SIZES.n_obs_steps)
+    if POLICIES[name] == 0:
+        obs = {"obs": torch.randn(*steps, SIZES.obs_dim, generator=generator)}
+    else:
+        obs = {f"camera{i}": torch.rand(*steps, *IMAGE, generator=generator) for i in range(POLICIES[name])}
+        obs["agent_pos"] = torch.randn(*steps, 2, generator=generator)
+    return {key: value.cuda() for key, value in obs.items()}
+
+
+def wall_ms(fn, warmup=3, reps=20):
+    """Median wall-clock ms of a synchronised fn()."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def predict(policy, obs, seed=0):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return policy.predict_action(obs)["action"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--schedule", nargs="+", default=["DDIM-16"], choices=list(SCHEDULES))
+    parser.add_argument("--out", default=".", help="folder for benchmark_policy.json and .png")
+    args = parser.parse_args()
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off", flush=True)
+    print(f"{'policy':7} {'schedule':9} {'B':>3} {'method':16} {'ms/call':>8} {'vs eager':>8} {'over sampler':>12} "
+          f"{'max|da|':>9}", flush=True)
+    rows = []
+    for name in args.policy:
+        for schedule in args.schedule:
+            eager = make_policy(name, schedule)
+            variants = {"loop graph": dict(whole_graph=False), "whole graph": {}}
+            if POLICIES[name]:
+                variants.update({"+ fp16 enc": dict(encoder_dtype=torch.float16),
+                                 "+ bf16 enc": dict(encoder_dtype=torch.bfloat16),
+                                 "+ channels-last": dict(encoder_channels_last=True)})
+            policies = {"eager": eager, **{label: accelerate(copy.deepcopy(eager), **options)
+                                           for label, options in variants.items()}}
+            for batch in args.batch:
+                obs = make_obs(name, batch, seed=batch)
+                results, actions = {}, {}
+                for label, policy in policies.items():
+                    results[label] = wall_ms(lambda: predict(policy, obs), reps=5 if label == "eager" else 20)
+                    actions[label] = predict(policy, obs)
+                results["sampler"] = wall_ms(sampler_alone(policies["whole graph"], obs))
+                for label, ms in results.items():
+                    error = None
+                    if label.startswith("+"):
+                        error = (actions[label] - actions["whole graph"]).abs().max().item()
+                    row = dict(policy=name, schedule=schedule, batch=batch, method=label, ms=ms,
+                               over_sampler_ms=ms - results["sampler"], action_error_vs_fp32=error,
+                               device=torch.cuda.get_device_name(), torch=torch.__version__)
+                    rows.append(row)
+                    print(f"{name:7} {schedule:9} {batch:3} {label:16} {ms:8.2f} {results['eager'] / ms:7.1f}x "
+                          f"{row['over_sampler_ms']:+12.2f}" + ("" if error is None else f" {error:9.1e}"), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "benchmark_policy.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out / "benchmark_policy.png")
+
+
+def sampler_alone(policy, obs):
+    """The accelerated policy's sampler (its own graph) on the condition predict_action would
+    build from `obs`, computed here once."""
+    with torch.no_grad():
+        if isinstance(policy, LowdimPolicy):
+            nobs = policy.normalizer["obs"].normalize(obs["obs"])
+            global_cond = nobs[:, :policy.n_obs_steps].reshape(nobs.shape[0], -1)
+        else:
+            nobs = policy.normalizer.normalize(obs)
+            frames = {key: value[:, :policy.n_obs_steps].flatten(0, 1) for key, value in nobs.items()}
+            global_cond = policy.obs_encoder(frames).reshape(next(iter(obs.values())).shape[0], -1)
+    data = torch.zeros(global_cond.shape[0], policy.horizon, policy.action_dim, device="cuda")
+    mask = torch.zeros_like(data, dtype=torch.bool)
+    sampler = policy.conditional_sample.sampler
+    return lambda: sampler(data, mask, global_cond=global_cond)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys((r["policy"], r["schedule"], r["batch"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(configs)), 4.5))
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        values = [next((r["ms"] for r in rows if (r["policy"], r["schedule"], r["batch"]) == c
+                        and r["method"] == method), float("nan")) for c in configs]
+        ax.bar([i + k * width for i in range(len(configs))], values, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"{p}\n{s}\nB={b}" for p, s, b in configs], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per predict_action (log)")
+    ax.set_title(f"Diffusion Policy predict_action end to end, {rows[0]['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""accelerate()'s whole-call graph (policy_graph.py): normalisation, the observation encoder and
+the denoising loop of `predict_action` as one CUDA graph replay, on Diffusion Policy's image
+policy with its real encoder architecture (torchvision's ResNet18 with GroupNorm, one per
+camera); and what it refuses to capture."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers import DDIMScheduler
+
+from conftest import DEVICES
+from diffusion_policy_accelerated import accelerate
+from dp_policies import ImagePolicy, ResNetObsEncoder, Sizes
+from dp_reference import RefUnet, randomize_
+from test_accelerate import ACTION_TOLERANCE, SCHEDULER_CONFIG, UNET_SIZE, make_policy, max_abs_difference, predict
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SIZES = Sizes(horizon=16, n_obs_steps=2, n_action_steps=8, action_dim=2)
+IMAGE, CROP, AGENT_POS_DIM = (3, 24, 24), 20, 2
+
+
+def resnet_policy(cameras, device, encoder=None):
+    """The image policy with one ResNet18-GN per camera (DDIM, 8 steps)."""
+    torch.manual_seed(0)
+    keys = [f"camera{i}" for i in range(cameras)]
+    feature_dim = 512 * cameras + AGENT_POS_DIM
+    unet = randomize_(RefUnet(**UNET_SIZE, input_dim=SIZES.action_dim, global_cond_dim=feature_dim * SIZES.n_obs_steps,
+                              cond_predict_scale=True), seed=1)
+    shapes = {**{key: IMAGE for key in keys}, "agent_pos": (AGENT_POS_DIM,)}
+    policy = ImagePolicy(unet, DDIMScheduler(**SCHEDULER_CONFIG), "global", 8, SIZES,
+                         encoder or ResNetObsEncoder(keys, CROP), feature_dim, shapes)
+    return policy.to(device).eval()
+
+
+def image_obs(policy, batch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    obs = {key: torch.rand(batch, SIZES.n_obs_steps, *IMAGE, generator=generator)
+           for key in policy.obs_encoder.cameras}
+    obs["agent_pos"] = torch.randn(batch, SIZES.n_obs_steps, AGENT_POS_DIM, generator=generator)
+    return {key: value.to(policy.device) for key, value in obs.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cameras", [1, 3])
+def test_resnet_image_policy_actions_equal_the_policys_own(cameras, device):
+    """New observations on every call, several batch sizes: fp32 actions within
+    ACTION_TOLERANCE of the policy's own eager predict_action for the same seed; on CUDA one
+    graph per batch size holds the whole call (the sampler captures none of its own)."""
+    reference = resnet_policy(cameras, device)
+    accelerated = accelerate(copy.deepcopy(reference))
+    for call, batch in enumerate([1, 3, 1]):
+        obs = image_obs(reference, batch, seed=call)
+        expected = predict(reference, obs, seed=call)
+        actual = predict(accelerated, obs, seed=call)
+        assert max_abs_difference(actual, expected) <= ACTION_TOLERANCE
+    if device == "cuda":
+        whole = accelerated.predict_action
+        assert whole.refused is None and len(whole._graphs) == 2
+        assert accelerated.conditional_sample.sampler._graphs == {}
+
+
+@needs_cuda
+def test_whole_graph_off_keeps_the_encoder_eager():
+    reference = resnet_policy(1, "cuda")
+    accelerated = accelerate(copy.deepcopy(reference), whole_graph=False)
+    assert "predict_action" not in vars(accelerated)
+    obs = image_obs(reference, 2, seed=0)
+    assert max_abs_difference(predict(accelerated, obs, 0), predict(reference, obs, 0)) <= ACTION_TOLERANCE
+    assert len(accelerated.conditional_sample.sampler._graphs) == 1
+
+
+class SynchronisingEncoder(nn.Module):
+    """An encoder that reads a value back to the host (a NaN check): no graph can hold it."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder, self.cameras = encoder, encoder.cameras
+
+    def forward(self, obs):
+        features = self.encoder(obs)
+        if torch.isnan(features).any():
+            raise ValueError("NaN features")
+        return features
+
+
+class CountingEncoder(SynchronisingEncoder):
+    """An encoder whose output depends on Python state that changes on every call."""
+
+    calls = 0
+
+    def forward(self, obs):
+        self.calls += 1
+        return self.encoder(obs) + self.calls
+
+
+@needs_cuda
+@pytest.mark.parametrize("wrapper,reason", [(SynchronisingEncoder, "capture failed"),
+                                            (CountingEncoder, "first replay differs")])
+def test_an_encoder_a_graph_cannot_hold_runs_eagerly_after_one_warning(wrapper, reason):
+    reference = resnet_policy(1, "cuda", encoder=wrapper(ResNetObsEncoder(["camera0"], CROP)))
+    accelerated = accelerate(copy.deepcopy(reference))
+    with pytest.warns(RuntimeWarning, match=f"predict_action cannot run as one CUDA graph.*{reason}"):
+        predict(accelerated, image_obs(reference, 2, seed=0), 0)
+    assert reason in accelerated.predict_action.refused
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for call in (1, 2):
+            obs = image_obs(reference, 2, seed=call)
+            reference.obs_encoder.calls = accelerated.obs_encoder.calls = 0
+            assert max_abs_difference(predict(accelerated, obs, call), predict(reference, obs, call)) \
+                <= ACTION_TOLERANCE
+
+
+@needs_cuda
+def test_weights_loaded_or_moved_after_capture_are_followed():
+    """Weights loaded in place are read by the graph as they are; a move to the CPU and back
+    (new storage) captures anew instead of replaying a graph over freed memory."""
+    reference = resnet_policy(1, "cuda")
+    accelerated = accelerate(copy.deepcopy(reference))
+    obs = image_obs(reference, 2, seed=0)
+    predict(accelerated, obs, 0)
+    graphs = dict(accelerated.predict_action._graphs)
+    new_weights = randomize_(copy.deepcopy(reference.obs_encoder), seed=5).state_dict()
+    for policy in (reference, accelerated):
+        policy.obs_encoder.load_state_dict(new_weights)
+    assert max_abs_difference(predict(accelerated, obs, 1), predict(reference, obs, 1)) <= ACTION_TOLERANCE
+    assert accelerated.predict_action._graphs == graphs
+    accelerated.to("cpu").to("cuda")
+    assert max_abs_difference(predict(accelerated, obs, 2), predict(reference, obs, 2)) <= ACTION_TOLERANCE
+    assert list(accelerated.predict_action._graphs.values()) != list(graphs.values())
+
+
+@needs_cuda
+def test_a_callers_own_capture_holds_the_whole_call():
+    """predict_action inside a CUDA graph the caller captures: the call and the loop join it."""
+    reference = resnet_policy(1, "cuda")
+    accelerated = accelerate(copy.deepcopy(reference))
+    obs = image_obs(reference, 2, seed=0)
+    predict(accelerated, obs, 0)  # the caller's warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        output = accelerated.predict_action(obs)
+    fresh = image_obs(reference, 2, seed=1)
+    for key, value in fresh.items():
+        obs[key].copy_(value)
+    torch.manual_seed(1)
+    graph.replay()
+    assert max_abs_difference(output, predict(reference, fresh, 1)) <= ACTION_TOLERANCE
+
+
+# Measured on an H100 (DDIM-8, random ResNet18-GN weights, actions of size ~1): ... the bound
+# leaves room for another seed.
+ENCODER_TOLERANCES = {torch.float16: 0.05, torch.bfloat16: 0.1}
+
+
+@needs_cuda
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("encoder_dtype", [None, torch.float16, torch.bfloat16])
+def test_half_precision_and_channels_last_encoder(encoder_dtype, channels_last):
+    reference = resnet_policy(1, "cuda")
+    accelerated = accelerate(copy.deepcopy(reference), encoder_dtype=encoder_dtype,
+                             encoder_channels_last=channels_last)
+    obs = image_obs(reference, 3, seed=0)
+    actual, expected = predict(accelerated, obs, 0), predict(reference, obs, 0)
+    tolerance = ENCODER_TOLERANCES.get(encoder_dtype, 1e-3 if channels_last else ACTION_TOLERANCE)
+    assert max_abs_difference(actual, expected) <= tolerance
+    assert accelerated.predict_action.refused is None
+    assert all(p.dtype == torch.float32 for p in accelerated.obs_encoder.parameters())
+
+
+@pytest.mark.parametrize("options,error,text", [
+    (dict(encoder_dtype=torch.float32), TypeError, "encoder_dtype must be torch.float16, torch.bfloat16 or None"),
+    (dict(encoder_dtype="float16"), TypeError, "encoder_dtype must be"),
+    (dict(encoder_channels_last=1), TypeError, "encoder_channels_last must be a bool"),
+    (dict(whole_graph="yes"), TypeError, "whole_graph must be a bool"),
+])
+def test_bad_options_are_refused_and_leave_the_policy_alone(options, error, text):
+    policy = make_policy("image global cond")
+    original = policy.model
+    with pytest.raises(error, match=text):
+        accelerate(policy, **options)
+    assert policy.model is original and "predict_action" not in vars(policy)
+
+
+@pytest.mark.parametrize("option", [dict(encoder_dtype=torch.float16), dict(encoder_channels_last=True)])
+def test_encoder_options_need_an_encoder(option):
+    policy = make_policy("lowdim global cond")
+    with pytest.raises(ValueError, match=f"{next(iter(option))}: the policy has no observation encoder "
+                                         r"\(policy.obs_encoder\)"):
+        accelerate(policy, **option)
+    assert "conditional_sample" not in vars(policy)
