@@ -65,12 +65,14 @@ class GraphedPolicyCall:
             return self.method(*args, **kwargs)
         self._drop_stale_graphs(sampler)
         captured = self._graphs.get(key)
+        if captured is not None:
+            return captured.replay(leaves)
+        captured = self._capture(leaves, spec, sampler)
         if captured is None:
-            captured = self._capture(leaves, spec, sampler)
-            if captured is None:
-                return self.method(*args, **kwargs)
-            self._graphs[key] = captured
-        return captured.replay(leaves)
+            return self.method(*args, **kwargs)
+        self._graphs[key] = captured
+        # The checked first replay ran on these very inputs and drew this call's noise.
+        return captured.copy_of_output()
 
     def _key(self, leaves: List[Any], spec, sampler: GraphedSampler) -> Optional[Tuple]:
         """The graph's key for these arguments, or None where the call must run eagerly."""
@@ -148,6 +150,10 @@ class _CapturedCall:
                 with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                     self.output = method(*args, **kwargs)
             except Exception as error:  # any failure of the capture: run eagerly, never guess
+                # A capture that ends in an error leaves its stream current (torch.cuda.graph
+                # restores the caller's only after a capture that ends well).
+                torch.cuda.set_stream(caller)
+                _end_generator_capture(device)
                 raise _NotCapturable(f"capture failed: {type(error).__name__}: {str(error).splitlines()[0]}")
         torch.cuda.set_rng_state(rng, device)  # the replay draws what the warm-up drew
         self.graph.replay()
@@ -183,8 +189,19 @@ class _CapturedCall:
             if isinstance(leaf, torch.Tensor):
                 static.copy_(leaf)
         self.graph.replay()
-        # Copies, so that a result survives the next replay.
+        return self.copy_of_output()
+
+    def copy_of_output(self):
+        """The last replay's outputs, copied so that they survive the next replay."""
         return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, self.output)
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """A capture that fails leaves the default CUDA generator expecting to be captured (PyTorch
+    ends a generator's capture only when the graph's does), and every later random draw on
+    the device raising; the capture of one trivial kernel starts and ends its capture again."""
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        torch.zeros(1, device=device)
 
 
 def set_encoder_precision(encoder: nn.Module, dtype: Optional[torch.dtype], channels_last: bool) -> None:

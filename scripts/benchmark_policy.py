@@ -15,11 +15,13 @@ centre-cropped to 84x84, 2 observation steps, horizon 16):
                 what the whole graph is held against ("over sampler")
 
 The policies are the stand-ins of tests/dp_policies.py (Diffusion Policy is not on PyPI), with
-random weights. Wall-clock medians after warm-up, each call synchronised, so host work counts;
-TF32 off. Writes JSON and a PNG plot.
+random weights. Wall-clock medians after warm-up of seeded, synchronised calls, so host work
+counts. PyTorch's default precision settings, as a policy runs by default: cuDNN's
+convolutions (the encoder's) may use TF32, matrix products do not (--no-tf32: neither).
+Writes JSON and a PNG plot.
 
     python scripts/benchmark_policy.py [--policy lowdim image1 image3] [--batch 1 8]
-                                       [--schedule DDIM-16 DDPM-100] [--out DIR]
+                                       [--schedule DDIM-16 DDPM-100] [--no-tf32] [--out DIR]
 """
 import argparse
 import copy
@@ -99,11 +101,14 @@ def main():
     parser.add_argument("--policy", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--schedule", nargs="+", default=["DDIM-16"], choices=list(SCHEDULES))
+    parser.add_argument("--no-tf32", action="store_true", help="no TF32 in cuDNN's convolutions either")
     parser.add_argument("--out", default=".", help="folder for benchmark_policy.json and .png")
     args = parser.parse_args()
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32 off", flush=True)
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  TF32: cuDNN "
+          f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'}, matmul "
+          f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'}", flush=True)
     print(f"{'policy':7} {'schedule':9} {'B':>3} {'method':16} {'ms/call':>8} {'vs eager':>8} {'over sampler':>12} "
           f"{'max|da|':>9}", flush=True)
     rows = []
@@ -130,7 +135,8 @@ def main():
                         error = (actions[label] - actions["whole graph"]).abs().max().item()
                     row = dict(policy=name, schedule=schedule, batch=batch, method=label, ms=ms,
                                over_sampler_ms=ms - results["sampler"], action_error_vs_fp32=error,
-                               device=torch.cuda.get_device_name(), torch=torch.__version__)
+                               device=torch.cuda.get_device_name(), torch=torch.__version__,
+                               cudnn_tf32=torch.backends.cudnn.allow_tf32)
                     rows.append(row)
                     print(f"{name:7} {schedule:9} {batch:3} {label:16} {ms:8.2f} {results['eager'] / ms:7.1f}x "
                           f"{row['over_sampler_ms']:+12.2f}" + ("" if error is None else f" {error:9.1e}"), flush=True)
@@ -154,7 +160,11 @@ def sampler_alone(policy, obs):
     data = torch.zeros(global_cond.shape[0], policy.horizon, policy.action_dim, device="cuda")
     mask = torch.zeros_like(data, dtype=torch.bool)
     sampler = policy.conditional_sample.sampler
-    return lambda: sampler(data, mask, global_cond=global_cond)
+
+    def call():
+        torch.manual_seed(0)  # as predict() does
+        return sampler(data, mask, global_cond=global_cond)
+    return call
 
 
 def plot(rows, path):

@@ -122,7 +122,7 @@ def test_weights_loaded_or_moved_after_capture_are_followed():
     obs = image_obs(reference, 2, seed=0)
     predict(accelerated, obs, 0)
     graphs = dict(accelerated.predict_action._graphs)
-    new_weights = randomize_(copy.deepcopy(reference.obs_encoder), seed=5).state_dict()
+    new_weights = randomize_(copy.deepcopy(reference.obs_encoder).cpu(), seed=5).state_dict()
     for policy in (reference, accelerated):
         policy.obs_encoder.load_state_dict(new_weights)
     assert max_abs_difference(predict(accelerated, obs, 1), predict(reference, obs, 1)) <= ACTION_TOLERANCE
