@@ -122,7 +122,7 @@ class _AcceleratedConditionalSample:
 
 
 def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
-               encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: bool = False):
+               encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None):
     """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) or a LeRobot
     DiffusionPolicy (see `diffusion_policy_accelerated.lerobot`) sample with this package, in
     place, and return it.
@@ -140,8 +140,9 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
     warns once and runs it eagerly). The graphs hold the policy's modules as they are at the
     first call: moving, converting or loading weights afterwards is followed, replacing a
     submodule (`policy.obs_encoder = ...`) is not; accelerate a fresh policy for that.
-    `encoder_dtype` (torch.float16 / torch.bfloat16) runs the image policies' `obs_encoder` under
-    autocast, `encoder_channels_last` with channels-last weights.
+    The image policies' `obs_encoder` runs with channels-last weights (`encoder_channels_last`,
+    default: where there is an encoder) and, with `encoder_dtype` (torch.float16 /
+    torch.bfloat16), under autocast.
 
     The policy must be in eval mode and its scheduler a DDPMScheduler or DDIMScheduler with
     options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`),
@@ -169,7 +170,7 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
         raise ValueError("the policy is in training mode: call policy.eval() before accelerate(), "
                          "which is for inference")
     encoder = getattr(policy, "obs_encoder", None)
-    check_encoder_options(encoder, "policy.obs_encoder", encoder_dtype, encoder_channels_last)
+    channels_last = check_encoder_options(encoder, "policy.obs_encoder", encoder_dtype, encoder_channels_last)
     unet = unet_from_diffusion_policy(policy.model).eval()
     if dtype is not None:
         unet = unet.to(dtype=dtype)
@@ -181,7 +182,7 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
     # An instance attribute shadows the class's method, which is what predict_action calls.
     policy.conditional_sample = conditional_sample
     if encoder is not None:
-        set_encoder_precision(encoder, encoder_dtype, encoder_channels_last)
+        set_encoder_precision(encoder, encoder_dtype, channels_last)
     if whole_graph and hasattr(policy, "predict_action"):
         vars(policy)["predict_action"] = GraphedPolicyCall(
             policy.predict_action, policy, conditional_sample.sampler_now, "predict_action")

@@ -152,11 +152,12 @@ class _LeRobotConditionalSample:
 
 
 def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
-                       encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: bool = False):
+                       encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None):
     """`accelerate(policy)` for LeRobot's DiffusionPolicy (see the module doc); returns it.
     With `whole_graph`, `policy.diffusion.generate_actions` (image encoders, global condition,
     denoising loop, slicing) runs as one CUDA graph per input shape (policy_graph.py);
-    `encoder_dtype` and `encoder_channels_last` apply to `policy.diffusion.rgb_encoder`."""
+    `encoder_dtype` and `encoder_channels_last` (default: on where there are images) apply to
+    `policy.diffusion.rgb_encoder`."""
     model = policy.diffusion
     if "_dpa_sample" in vars(model):
         raise ValueError("this policy is already accelerated; accelerate a fresh policy instead")
@@ -170,7 +171,7 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_gra
         raise TypeError(f"policy.config ({type(config).__name__}) lacks LeRobot DiffusionConfig's horizon or "
                         f"action_feature: {error}") from error
     encoder = getattr(model, "rgb_encoder", None)
-    check_encoder_options(encoder, "policy.diffusion.rgb_encoder", encoder_dtype, encoder_channels_last)
+    channels_last = check_encoder_options(encoder, "policy.diffusion.rgb_encoder", encoder_dtype, encoder_channels_last)
     unet = unet_from_lerobot(model.unet, dtype)
     sample = _LeRobotConditionalSample(model, unet, horizon, action_dim)
     # Instance attributes, not submodules: the policy's state_dict and .to() see only LeRobot's
@@ -179,7 +180,7 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_gra
     vars(model)["_dpa_sample"] = sample
     vars(model)["conditional_sample"] = sample
     if encoder is not None:
-        set_encoder_precision(encoder, encoder_dtype, encoder_channels_last)
+        set_encoder_precision(encoder, encoder_dtype, channels_last)
     if whole_graph:
         vars(model)["generate_actions"] = GraphedPolicyCall(model.generate_actions, model, sample.sampler_now,
                                                             "generate_actions")

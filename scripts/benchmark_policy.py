@@ -4,15 +4,18 @@ centre-cropped to 84x84, 2 observation steps, horizon 16):
 
   eager         the policy as Diffusion Policy runs it: encoder, PyTorch U-Net and diffusers'
                 scheduler, launch by launch
-  loop graph    accelerate(policy, whole_graph=False): the denoising loop as one CUDA graph,
-                normalisation and encoder eager
-  whole graph   accelerate(policy): normalisation, encoder, loop and action slicing in one replay
-  + fp16 enc, + bf16 enc, + channels-last
-                the whole graph with encoder_dtype=torch.float16 / bfloat16, or
-                encoder_channels_last=True; max|da| is their largest action difference from
-                the fp32 whole graph on the same observations and noise
+  loop graph    accelerate(policy, whole_graph=False, encoder_channels_last=False): the
+                denoising loop as one CUDA graph, normalisation and encoder eager
+  whole, NCHW   accelerate(policy, encoder_channels_last=False): normalisation, encoder, loop
+                and action slicing in one replay
+  whole graph   accelerate(policy): the same, the encoder's weights channels-last (image policies)
+  + fp16 enc, + bf16 enc
+                the whole graph with encoder_dtype=torch.float16 / bfloat16
   sampler       the accelerated sampler alone, on the global condition computed beforehand:
                 what the whole graph is held against ("over sampler")
+
+max|da|: the largest action difference from the eager policy on the same observations and
+noise (DDIM draws only the initial noise, so this is rounding and TF32).
 
 The policies are the stand-ins of tests/dp_policies.py (Diffusion Policy is not on PyPI), with
 random weights. Wall-clock medians after warm-up of seeded, synchronised calls, so host work
@@ -115,11 +118,13 @@ def main():
     for name in args.policy:
         for schedule in args.schedule:
             eager = make_policy(name, schedule)
-            variants = {"loop graph": dict(whole_graph=False), "whole graph": {}}
+            variants = {"loop graph": dict(whole_graph=False, encoder_channels_last=False)}
+            if POLICIES[name]:
+                variants["whole, NCHW"] = dict(encoder_channels_last=False)
+            variants["whole graph"] = {}
             if POLICIES[name]:
                 variants.update({"+ fp16 enc": dict(encoder_dtype=torch.float16),
-                                 "+ bf16 enc": dict(encoder_dtype=torch.bfloat16),
-                                 "+ channels-last": dict(encoder_channels_last=True)})
+                                 "+ bf16 enc": dict(encoder_dtype=torch.bfloat16)})
             policies = {"eager": eager, **{label: accelerate(copy.deepcopy(eager), **options)
                                            for label, options in variants.items()}}
             for batch in args.batch:
@@ -131,10 +136,10 @@ def main():
                 results["sampler"] = wall_ms(sampler_alone(policies["whole graph"], obs))
                 for label, ms in results.items():
                     error = None
-                    if label.startswith("+"):
-                        error = (actions[label] - actions["whole graph"]).abs().max().item()
+                    if label in actions and label != "eager":
+                        error = (actions[label] - actions["eager"]).abs().max().item()
                     row = dict(policy=name, schedule=schedule, batch=batch, method=label, ms=ms,
-                               over_sampler_ms=ms - results["sampler"], action_error_vs_fp32=error,
+                               over_sampler_ms=ms - results["sampler"], action_error_vs_eager=error,
                                device=torch.cuda.get_device_name(), torch=torch.__version__,
                                cudnn_tf32=torch.backends.cudnn.allow_tf32)
                     rows.append(row)

@@ -170,10 +170,17 @@ def test_half_precision_and_channels_last_encoder(encoder_dtype, channels_last):
     assert all(p.dtype == torch.float32 for p in accelerated.obs_encoder.parameters())
 
 
+def test_the_encoder_goes_channels_last_unless_told_not_to():
+    for option, expected in (({}, True), (dict(encoder_channels_last=False), False)):
+        policy = accelerate(resnet_policy(1, "cpu"), **option)
+        weight = policy.obs_encoder.backbones["camera0"].conv1.weight
+        assert weight.is_contiguous(memory_format=torch.channels_last) == expected
+
+
 @pytest.mark.parametrize("options,error,text", [
     (dict(encoder_dtype=torch.float32), TypeError, "encoder_dtype must be torch.float16, torch.bfloat16 or None"),
     (dict(encoder_dtype="float16"), TypeError, "encoder_dtype must be"),
-    (dict(encoder_channels_last=1), TypeError, "encoder_channels_last must be a bool"),
+    (dict(encoder_channels_last=1), TypeError, "encoder_channels_last must be a bool or None"),
     (dict(whole_graph="yes"), TypeError, "whole_graph must be a bool"),
 ])
 def test_bad_options_are_refused_and_leave_the_policy_alone(options, error, text):
