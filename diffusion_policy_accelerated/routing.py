@@ -68,10 +68,12 @@ class KernelConfig:
     # 2 input channels (the U-Nets' first conv) the GEMM over C_in alone was slower (batch 64,
     # bf16: 6.0 against 3.3 µs); from 256 on it was faster for 32 of 36 convs, by up to 43%.
     taps_major_min_in_channels: int = 64
-    # ... and below gemm_min_positions, from batch 2 and 8 positions on where
+    # ... and below gemm_min_positions, from 8 positions on at batch 2+ (16 at batch 1) where
     # C_in x C_out x positions reaches this: layers past it ran faster so than on the streaming
     # kernels (bf16, batch 4, length 4: lowdim 1024->1024 13.1 against 30.9 µs, image
-    # 2048->2048 27.5 against 91.9), those below it slower. Batch 1 stays on streaming.
+    # 2048->2048 27.5 against 91.9), those below it slower. At batch 1 that is a long
+    # horizon's deep layers (LeRobot's 2048 channels at length 16 of horizon 64); the
+    # horizon-16 U-Nets' batch-1 layers stay below it and stream.
     taps_major_min_work: int = 1 << 23
 
     def __post_init__(self):
@@ -150,7 +152,8 @@ def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtyp
         return False
     positions = batch * length
     return _on_gemm_route(batch, length, config) or (
-        batch >= 2 and positions >= 8 and conv.in_channels * conv.out_channels * positions >= config.taps_major_min_work)
+        positions >= (8 if batch >= 2 else 16)
+        and conv.in_channels * conv.out_channels * positions >= config.taps_major_min_work)
 
 
 def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
@@ -235,7 +238,8 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                          f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}")
     if taps:
         return ConvRoute(name, described, "GEMM, taps-major",
-                         f"half precision, batch >= 2 and C_in x C_out x positions >= {config.taps_major_min_work}")
+                         f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
+                         f">= {config.taps_major_min_work}")
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
     return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
                      f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}; {plan}"

@@ -451,6 +451,22 @@ def test_fused_cuda(name, dtype, counted_ops, no_tf32):
 
 @needs_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_fused_cuda_long_horizon_batch_1(dtype, counted_ops, no_tf32):
+    """Horizon 64 at batch 1: GEMM-route convs at lengths 64 and 32 whose GroupNorm groups
+    exceed the fused block epilogue, and, in half precision, the 1024-channel convs at length
+    16 as taps-major GEMMs (routing.taps_major_pays at batch 1)."""
+    from diffusion_policy_accelerated.routing import explain
+
+    ours = pair("default")[1]
+    routes = explain(ours, 1, 64, dtype=dtype, device="cuda")
+    taps_major = [r for r in routes if "taps-major" in r.route and "1024->1024" in r.shape]
+    assert bool(taps_major) == (dtype != torch.float32)
+    _check_fused("default", dtype, "cuda", counted_ops, batch=1, horizon=64)
+
+
+@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [3, 64])
 def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops, no_tf32):

@@ -129,6 +129,18 @@ def test_explain_names_every_conv_and_its_route():
     routes = {r.module: r for r in explain(unet, 2, 16, device="cuda")}
     assert routes["down_modules.0.2.conv"].route == "streaming"
     assert routes["down_modules.0.1.blocks.0.block.0"].route.startswith("GEMM")
+    # Half precision at batch 1: taps-major GEMMs only where a long horizon leaves deep layers
+    # with 16+ positions and enough work; the horizon-16 U-Nets' batch-1 convs all stream.
+    from diffusion_policy_accelerated.configs import UNETS
+    with torch.device("meta"):
+        for name in ("lowdim", "image", "lerobot"):
+            model = ConditionalUnet1D(**UNETS[name])
+            assert all(r.route.startswith("streaming") or "gemm_min_positions" in r.why
+                       for r in explain(model, 1, 16, dtype=torch.bfloat16, device="cuda")), name
+        deep = {r.module: r for r in explain(ConditionalUnet1D(**UNETS["lerobot"]), 1, 64, dtype=torch.bfloat16,
+                                             device="cuda")}
+    assert deep["mid_modules.0.blocks.0.block.0"].route == "GEMM, taps-major"
+    assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
     # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
     long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
     assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why
