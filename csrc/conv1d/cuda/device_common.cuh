@@ -206,13 +206,9 @@ __device__ __forceinline__ void store_output(const StreamArgs& a, int b, int c, 
 // GroupNorm -> Mish -> epilogue over one group's channels [c_lo, c_hi) of batch rows
 // [b_lo, b_hi), kStats rows at a time. The statistics are two-pass (no cancellation), per
 // batch row. A thread's first two elements' epilogue inputs are requested before the
-// statistics, so their round trip overlaps the reductions. kUnroll: the passes' unrolling. A
-// streaming kernel's finishing block runs this once per tile, and unrolled it only multiplied
-// the kernel's size (1); the GEMM route's GroupNorm epilogue is a kernel of its own with one
-// block per (batch row, group), 8 blocks at batch 1, so each pass over a group too large to
-// hold was a chain of dependent round trips (4: the loads of 4 elements go out together; the
-// adds keep their order, so the bits are the same).
-template <typename T, int kUnroll = 1, typename Pre>
+// statistics, so their round trip overlaps the reductions. Loops are not unrolled: this code
+// runs once per tile, and unrolling only multiplied its size.
+template <typename T, typename Pre>
 __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, int c_hi, int b_lo,
                                 int b_hi, float* scratch, float2* stats) {
   const int L = a.lout;
@@ -230,11 +226,11 @@ __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, i
 #pragma unroll 1
     for (int b = b0; b < b1; ++b) {
       float s = 0.f;
-#pragma unroll kUnroll
+#pragma unroll 1
       for (int i = threadIdx.x; i < per_batch; i += kThreads) s += pre(c_lo + i / L, b * L + i % L);
       const float mean = block_sum(s, scratch) / per_batch;
       float sq = 0.f;
-#pragma unroll kUnroll
+#pragma unroll 1
       for (int i = threadIdx.x; i < per_batch; i += kThreads) {
         const float d = pre(c_lo + i / L, b * L + i % L) - mean;
         sq += d * d;
@@ -244,7 +240,7 @@ __device__ void normalize_group(const StreamArgs& a, const Pre& pre, int c_lo, i
     }
     __syncthreads();
     trace_event(a, kTraceNormalized);
-#pragma unroll kUnroll
+#pragma unroll 1
     for (int i = threadIdx.x; i < count; i += kThreads) {
       const Epilogue e = i == i0 ? held0 : i == i1 ? held1 : epilogue_of(i);
       const int b = b0 + i / per_batch, r = i % per_batch, c = c_lo + r / L, l = r % L;

@@ -80,7 +80,7 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
   const int64_t positions = static_cast<int64_t>(a.batch) * L;
   if (count > kHeldPerThread * kThreads) {
-    return normalize_group<T, 4>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
+    return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
   }
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
