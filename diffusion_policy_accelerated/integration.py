@@ -181,7 +181,7 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
     policy.model = unet
     # An instance attribute shadows the class's method, which is what predict_action calls.
     policy.conditional_sample = conditional_sample
-    if encoder is not None:
+    if isinstance(encoder, nn.Module):
         set_encoder_precision(encoder, encoder_dtype, channels_last)
     if whole_graph and hasattr(policy, "predict_action"):
         vars(policy)["predict_action"] = GraphedPolicyCall(

@@ -179,7 +179,7 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_gra
     # calls.
     vars(model)["_dpa_sample"] = sample
     vars(model)["conditional_sample"] = sample
-    if encoder is not None:
+    if isinstance(encoder, nn.Module):
         set_encoder_precision(encoder, encoder_dtype, channels_last)
     if whole_graph:
         vars(model)["generate_actions"] = GraphedPolicyCall(model.generate_actions, model, sample.sampler_now,

@@ -120,7 +120,8 @@ def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> to
     an in-place update, which bumps its version (weights made under torch.inference_mode
     have none: update those by replacing them). It holds on to the weight it copied, so that
     a new weight cannot reuse its address. The cost is a second copy of these weights in
-    memory, made only by models run in half precision at batches above 1."""
+    memory, made only by models run in half precision at batches above 1 or, at batch 1, at
+    long horizons."""
     weight = conv.weight
     if not routing.taps_major_pays(conv, x):
         return weight

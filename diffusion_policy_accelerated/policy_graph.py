@@ -10,12 +10,17 @@ tensor's shape, dtype and device, the other arguments' values, the kernel config
 each call copies the new observations into the graph's input buffers, replays it, and
 returns copies of its outputs. The modules are used as they are.
 
-What a graph cannot hold is found at capture, never guessed: an encoder that synchronises
+What a graph cannot hold is found at capture where it can be: an encoder that synchronises
 with the host (`.item()`, a branch on a tensor's value, a copy to the CPU) makes the capture
 fail, and one whose Python code does something else on a later call (a counter, a random
 choice on the host) makes the first replay differ from the eager call it is checked against.
 Either way the method warns once and runs eagerly from then on (the denoising loop still as
-the sampler's own graph), so a result is never wrong.
+the sampler's own graph). What the graphs follow: the arguments' signature, the owner's and
+its `config`'s plain attributes (n_action_steps, horizon, ...), autocast and cuDNN's TF32
+switch, the kernel configuration, and the owner's tensors (moved, converted or replaced ones
+drop the graphs; loaded in place, the graphs read them). What they cannot: Python state deeper
+in the modules (an encoder's crop size changed after the first call); accelerate a fresh
+policy after changing that.
 
 Random numbers: the graph draws the initial trajectory (and DDPM's step noise) from the
 default CUDA generator inside the replay, at the generator's offset at call time, and
@@ -24,6 +29,7 @@ as the eager one. Calls with a `torch.Generator` argument, with tensors on the C
 another device, or with the policy in training mode run eagerly.
 """
 import sys
+import types
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -35,6 +41,36 @@ from .routing import current_kernel_config
 from .sampler import GraphedSampler
 
 __all__ = ["GraphedPolicyCall"]
+
+# Bumped whenever any module anywhere registers a parameter, buffer or submodule (assignment,
+# load_state_dict(assign=True), Diffusion Policy's normaliser replacing its ParameterDict): the
+# cheap sign that an owner's tensors may have been replaced, which is then checked.
+_registrations = 0
+_hooks_installed = False
+
+
+def _count_registration(*args):
+    global _registrations
+    _registrations += 1
+
+
+def _install_registration_hooks() -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        from torch.nn.modules import module
+
+        module.register_module_parameter_registration_hook(_count_registration)
+        module.register_module_buffer_registration_hook(_count_registration)
+        module.register_module_module_registration_hook(_count_registration)
+        _hooks_installed = True
+
+
+# Plain attribute values a graph's key holds (the method reads them as Python values).
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(obj) -> Tuple:
+    return tuple((k, v) for k, v in vars(obj).items() if isinstance(v, _PLAIN)) if hasattr(obj, "__dict__") else ()
 
 
 class GraphedPolicyCall:
@@ -51,7 +87,9 @@ class GraphedPolicyCall:
         self.name = name
         self.refused: Optional[str] = None  # why the method runs eagerly, once capture failed
         self._graphs: Dict[Tuple, "_CapturedCall"] = {}
-        self._state: Optional[Tuple] = None  # (sampler, tensors, their storage) the graphs were made with
+        # (sampler, registrations, tensors, their storage) the graphs were made with
+        self._state: Optional[Tuple] = None
+        _install_registration_hooks()
 
     def __call__(self, *args, **kwargs):
         sampler = self.sampler()
@@ -91,18 +129,27 @@ class GraphedPolicyCall:
                 except TypeError:
                     return None
                 signature.append((type(leaf), leaf))
-        return spec, tuple(signature), current_kernel_config()
+        return (spec, tuple(signature), current_kernel_config(), _plain_attributes(self.owner),
+                _plain_attributes(getattr(self.owner, "config", None)), torch.is_autocast_enabled("cuda"),
+                torch.backends.cudnn.allow_tf32)
 
     def _drop_stale_graphs(self, sampler: GraphedSampler) -> None:
         """Graphs read the weights where they were at capture and hold the sampler's tables:
-        a new sampler, or weights moved or converted since (new storage), drop them."""
+        a new sampler, or tensors moved or converted (new storage) or replaced since, drop them.
+        The owner's tensors are listed anew (a walk of its modules, ~0.1-0.4 ms) only after some
+        module registered a tensor or submodule."""
         if self._state is not None:
-            old_sampler, tensors, pointers = self._state
+            old_sampler, registrations, tensors, pointers = self._state
             if old_sampler is sampler and tuple(map(torch.Tensor.data_ptr, tensors)) == pointers:
-                return
+                if registrations == _registrations:
+                    return
+                current = tuple(self.owner.parameters()) + tuple(self.owner.buffers())
+                if len(current) == len(tensors) and all(a is b for a, b in zip(current, tensors)):
+                    self._state = (sampler, _registrations, tensors, pointers)
+                    return
         self._graphs.clear()
         tensors = tuple(self.owner.parameters()) + tuple(self.owner.buffers())
-        self._state = (sampler, tensors, tuple(map(torch.Tensor.data_ptr, tensors)))
+        self._state = (sampler, _registrations, tensors, tuple(map(torch.Tensor.data_ptr, tensors)))
 
     def _capture(self, leaves: List[Any], spec, sampler: GraphedSampler) -> Optional["_CapturedCall"]:
         """A checked capture of the call, or None (after one warning) where it cannot be."""
@@ -137,7 +184,7 @@ class _CapturedCall:
         caller = torch.cuda.current_stream(device)
         side = torch.cuda.Stream(device=device)
         side.wait_stream(caller)
-        with torch.no_grad(), sampler.inlined():
+        with torch.cuda.device(device), torch.no_grad(), sampler.inlined():
             # Warm-up (lazy initialisation, cuDNN's choices, allocator pools), whose result the
             # first replay is checked against; errors here are the caller's, raised as they are.
             with torch.cuda.stream(side):
@@ -154,7 +201,9 @@ class _CapturedCall:
                 # restores the caller's only after a capture that ends well).
                 torch.cuda.set_stream(caller)
                 _end_generator_capture(device)
-                raise _NotCapturable(f"capture failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+                # torch.cuda.graph's own error at the capture's end hides the one that broke it.
+                cause = error.__context__ if isinstance(error.__context__, Exception) else error
+                raise _NotCapturable(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}")
         torch.cuda.set_rng_state(rng, device)  # the replay draws what the warm-up drew
         self.graph.replay()
         self._check(expected)
@@ -168,6 +217,10 @@ class _CapturedCall:
         if got_spec != want_spec:
             raise _NotCapturable("the graph's output has another structure than the eager call's")
         for got, want in zip(got_leaves, want_leaves):
+            if not isinstance(want, (torch.Tensor,) + _PLAIN):
+                # A leaf of another type (a numpy array, an object holding tensors) could alias
+                # the graph's buffers, which copy_of_output copies only as tensors.
+                raise _NotCapturable(f"it returns a {type(want).__name__}, which a graph's output cannot be copied as")
             if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
                 raise _NotCapturable("the graph's output has another structure than the eager call's")
             if not isinstance(want, torch.Tensor):
@@ -200,7 +253,7 @@ def _end_generator_capture(device: torch.device) -> None:
     """A capture that fails leaves the default CUDA generator expecting to be captured (PyTorch
     ends a generator's capture only when the graph's does), and every later random draw on
     the device raising; the capture of one trivial kernel starts and ends its capture again."""
-    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+    with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
         torch.zeros(1, device=device)
 
 
@@ -218,24 +271,27 @@ def set_encoder_precision(encoder: nn.Module, dtype: Optional[torch.dtype], chan
         encoder.to(memory_format=torch.channels_last)
     if dtype is None:
         return
-    forward = encoder.forward
+    encoder._dpa_autocast_dtype = dtype
+    # A method bound to the encoder, not a closure: copy.deepcopy rebinds it to the copy, and
+    # pickle finds it by name.
+    encoder.forward = types.MethodType(_autocast_forward, encoder)
+
+
+def _autocast_forward(encoder: nn.Module, *args, **kwargs):
     out_dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), torch.float32)
-
-    def autocast_forward(*args, **kwargs):
-        # cache_enabled=False: autocast's cache of cast weights must not outlive a graph capture.
-        with torch.autocast("cuda", dtype=dtype, cache_enabled=False):
-            features = forward(*args, **kwargs)
-        return tree_map(lambda value: value.to(out_dtype)
-                        if isinstance(value, torch.Tensor) and value.is_floating_point() else value, features)
-
-    encoder.forward = autocast_forward
+    # cache_enabled=False: autocast's cache of cast weights must not outlive a graph capture.
+    with torch.autocast("cuda", dtype=encoder._dpa_autocast_dtype, cache_enabled=False):
+        features = type(encoder).forward(encoder, *args, **kwargs)
+    return tree_map(lambda value: value.to(out_dtype)
+                    if isinstance(value, torch.Tensor) and value.is_floating_point() else value, features)
 
 
 def check_encoder_options(encoder: Optional[nn.Module], where: str, encoder_dtype,
                           encoder_channels_last: Optional[bool]) -> bool:
     """accelerate()'s encoder options, validated before the policy is changed; returns whether
-    the encoder goes channels-last (None: where there is one; on an H200 that took 0.3 ms off
-    a batch-1 image call, cuDNN's TF32 kernels reading NHWC without a conversion per conv)."""
+    the encoder goes channels-last (None: where there is one; on an H100 that took 0.37 ms off
+    a one-camera batch-1 call, cuDNN's TF32 kernels reading NHWC without a conversion per
+    conv: BENCHMARKS.md, "End to end")."""
     if encoder_dtype is not None and encoder_dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"encoder_dtype must be torch.float16, torch.bfloat16 or None, got {encoder_dtype!r}")
     if encoder_channels_last is not None and not isinstance(encoder_channels_last, bool):
@@ -243,4 +299,4 @@ def check_encoder_options(encoder: Optional[nn.Module], where: str, encoder_dtyp
     if (encoder_dtype is not None or encoder_channels_last) and not isinstance(encoder, nn.Module):
         option = "encoder_dtype" if encoder_dtype is not None else "encoder_channels_last"
         raise ValueError(f"{option}: the policy has no observation encoder ({where}) to run so")
-    return encoder is not None if encoder_channels_last is None else encoder_channels_last
+    return isinstance(encoder, nn.Module) if encoder_channels_last is None else encoder_channels_last

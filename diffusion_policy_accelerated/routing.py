@@ -170,7 +170,8 @@ def on_gemm_route(x: torch.Tensor) -> bool:
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     """Whether conv (stride 1, keeping x's length) is faster over x with a taps-major weight
     on the GEMM route: half precision, a kernel wider than 1, enough input channels, and the
-    GEMM route or, below it, enough work at batch 2+. In fp32, cuBLAS's GEMMs over C_in (SIMT,
+    GEMM route or, below it, enough work (8+ positions at batch 2+, 16+ at batch 1). In fp32,
+    cuBLAS's GEMMs over C_in (SIMT,
     no tensor cores) made steps 4-9% slower at batch 64 and the image U-Net's at batch 8."""
     return x.is_cuda and _taps_major_pays(conv, x.shape[0], x.shape[2], conv.weight.dtype, current_kernel_config())
 

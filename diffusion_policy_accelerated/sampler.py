@@ -181,7 +181,8 @@ class FollowingSampler:
     """The GraphedSampler of a policy whose U-Net, schedule or device may change between calls:
     rebuilt (tables, graphs) when `get`'s key (the schedule's settings), the device the
     policy's weights are on, or the U-Net's weights change, in place included (their version
-    counters), so that a sampler never mixes new weights with tables of old ones."""
+    counters) or moved and back (their storage), so that a sampler never mixes new weights with
+    tables or graphs of old ones."""
 
     def __init__(self, unet: ConditionalUnet1D):
         self.unet = unet
@@ -195,7 +196,9 @@ class FollowingSampler:
         """The sampler for `key`, built with make_schedule() where it changed; the U-Net (its
         counters, or a copy of other weights) follows `device`, the policy's."""
         parameters = [p for module in self._modules for p in module._parameters.values() if p is not None]
-        full_key = (key, device, parameters[0].dtype, sum(p._version for p in parameters))
+        # Versions for updates in place, storage for moves and conversions (which keep versions).
+        full_key = (key, device, parameters[0].dtype, sum(p._version for p in parameters),
+                    tuple(p.data_ptr() for p in parameters))
         if full_key != self.key:
             self.unet.to(device=device)
             self.sampler = GraphedSampler(self.unet, make_schedule())

@@ -15,6 +15,7 @@ from diffusion_policy_accelerated import accelerate
 from dp_policies import ImagePolicy, ResNetObsEncoder, Sizes
 from dp_reference import RefUnet, randomize_
 from test_accelerate import ACTION_TOLERANCE, SCHEDULER_CONFIG, UNET_SIZE, make_policy, max_abs_difference, predict
+from test_accelerate import make_obs as make_obs_for
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SIZES = Sizes(horizon=16, n_obs_steps=2, n_action_steps=8, action_dim=2)
@@ -62,6 +63,23 @@ def test_resnet_image_policy_actions_equal_the_policys_own(cameras, device):
 
 
 @needs_cuda
+def test_unseeded_calls_draw_the_noise_the_eager_calls_draw():
+    """Seeded once, then called again and again: each graphed call advances the generator as
+    the eager call does (the first one included, whose capture draws too)."""
+    reference = resnet_policy(1, "cuda")
+    accelerated = accelerate(copy.deepcopy(reference))
+    obs = image_obs(reference, 2, seed=0)
+    actions = {}
+    for name, policy in (("reference", reference), ("accelerated", accelerated)):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            actions[name] = [policy.predict_action(obs) for _ in range(3)]
+    for actual, expected in zip(actions["accelerated"], actions["reference"]):
+        assert max_abs_difference(actual, expected) <= ACTION_TOLERANCE
+    assert not torch.allclose(actions["accelerated"][0]["action"], actions["accelerated"][1]["action"])
+
+
+@needs_cuda
 def test_whole_graph_off_keeps_the_encoder_eager():
     reference = resnet_policy(1, "cuda")
     accelerated = accelerate(copy.deepcopy(reference), whole_graph=False)
@@ -101,8 +119,12 @@ class CountingEncoder(SynchronisingEncoder):
 def test_an_encoder_a_graph_cannot_hold_runs_eagerly_after_one_warning(wrapper, reason):
     reference = resnet_policy(1, "cuda", encoder=wrapper(ResNetObsEncoder(["camera0"], CROP)))
     accelerated = accelerate(copy.deepcopy(reference))
-    with pytest.warns(RuntimeWarning, match=f"predict_action cannot run as one CUDA graph.*{reason}"):
-        predict(accelerated, image_obs(reference, 2, seed=0), 0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.warns(RuntimeWarning, match=f"predict_action cannot run as one CUDA graph.*{reason}"):
+            predict(accelerated, image_obs(reference, 2, seed=0), 0)
+        assert torch.cuda.current_stream() == stream  # a failed capture hands the caller's stream back
+    torch.cuda.current_stream().wait_stream(stream)
     assert reason in accelerated.predict_action.refused
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -114,22 +136,25 @@ def test_an_encoder_a_graph_cannot_hold_runs_eagerly_after_one_warning(wrapper, 
 
 
 @needs_cuda
-def test_weights_loaded_or_moved_after_capture_are_followed():
-    """Weights loaded in place are read by the graph as they are; a move to the CPU and back
-    (new storage) captures anew instead of replaying a graph over freed memory."""
+@pytest.mark.parametrize("whole_graph", [True, False])
+def test_weights_loaded_moved_or_replaced_after_capture_are_followed(whole_graph):
+    """Weights loaded in place are read by the graphs as they are; a move to the CPU and back
+    (new storage) and a replaced tensor (a normaliser loaded anew, as Diffusion Policy's
+    LinearNormalizer does) capture anew instead of replaying graphs over old tensors."""
     reference = resnet_policy(1, "cuda")
-    accelerated = accelerate(copy.deepcopy(reference))
+    accelerated = accelerate(copy.deepcopy(reference), whole_graph=whole_graph)
     obs = image_obs(reference, 2, seed=0)
     predict(accelerated, obs, 0)
-    graphs = dict(accelerated.predict_action._graphs)
     new_weights = randomize_(copy.deepcopy(reference.obs_encoder).cpu(), seed=5).state_dict()
     for policy in (reference, accelerated):
         policy.obs_encoder.load_state_dict(new_weights)
     assert max_abs_difference(predict(accelerated, obs, 1), predict(reference, obs, 1)) <= ACTION_TOLERANCE
-    assert accelerated.predict_action._graphs == graphs
-    accelerated.to("cpu").to("cuda")
+    for policy in (reference, accelerated):
+        policy.to("cpu").to("cuda")
     assert max_abs_difference(predict(accelerated, obs, 2), predict(reference, obs, 2)) <= ACTION_TOLERANCE
-    assert list(accelerated.predict_action._graphs.values()) != list(graphs.values())
+    for policy in (reference, accelerated):
+        policy.normalizer.fields["action"].scale = torch.full((SIZES.action_dim,), 3.0, device="cuda")
+    assert max_abs_difference(predict(accelerated, obs, 3), predict(reference, obs, 3)) <= ACTION_TOLERANCE
 
 
 @needs_cuda
@@ -189,6 +214,21 @@ def test_bad_options_are_refused_and_leave_the_policy_alone(options, error, text
     with pytest.raises(error, match=text):
         accelerate(policy, **options)
     assert policy.model is original and "predict_action" not in vars(policy)
+
+
+def test_an_encoder_that_is_not_a_module_is_left_alone():
+    """A plain function as the observation encoder: accelerate() works and leaves it; the
+    encoder options refuse it."""
+    for option in ({}, dict(encoder_dtype=torch.float16)):
+        reference = make_policy("image global cond")
+        vars(reference)["obs_encoder"] = (lambda encoder: lambda obs: encoder(obs))(reference.obs_encoder)
+        if option:
+            with pytest.raises(ValueError, match="encoder_dtype: the policy has no observation encoder"):
+                accelerate(reference, **option)
+            continue
+        accelerated = accelerate(copy.deepcopy(reference))
+        obs = make_obs_for(reference, 2, seed=0)
+        assert max_abs_difference(predict(accelerated, obs, 0), predict(reference, obs, 0)) <= ACTION_TOLERANCE
 
 
 @pytest.mark.parametrize("option", [dict(encoder_dtype=torch.float16), dict(encoder_channels_last=True)])
