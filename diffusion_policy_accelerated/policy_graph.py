@@ -202,7 +202,9 @@ class _CapturedCall:
                 torch.cuda.set_stream(caller)
                 _end_generator_capture(device)
                 # torch.cuda.graph's own error at the capture's end hides the one that broke it.
-                cause = error.__context__ if isinstance(error.__context__, Exception) else error
+                cause = error
+                if "capture" in str(error) and isinstance(error.__context__, Exception):
+                    cause = error.__context__
                 raise _NotCapturable(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}")
         torch.cuda.set_rng_state(rng, device)  # the replay draws what the warm-up drew
         self.graph.replay()
