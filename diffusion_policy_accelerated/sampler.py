@@ -196,13 +196,16 @@ class FollowingSampler:
         """The sampler for `key`, built with make_schedule() where it changed; the U-Net (its
         counters, or a copy of other weights) follows `device`, the policy's."""
         parameters = [p for module in self._modules for p in module._parameters.values() if p is not None]
-        # Versions for updates in place, storage for moves and conversions (which keep versions).
-        full_key = (key, device, parameters[0].dtype, sum(p._version for p in parameters),
+
+        def full_key():
+            # Versions for updates in place, storage for moves and conversions (which keep
+            # versions).
+            return (key, device, parameters[0].dtype, sum(p._version for p in parameters),
                     tuple(p.data_ptr() for p in parameters))
-        if full_key != self.key:
+        if full_key() != self.key:
             self.unet.to(device=device)
             self.sampler = GraphedSampler(self.unet, make_schedule())
-            self.key = full_key
+            self.key = full_key()  # after the move, which may have given the weights new storage
         return self.sampler
 
 

@@ -155,3 +155,23 @@ def test_bad_input_raises(bad, error, text):
     kwargs.update(bad)
     with pytest.raises(error, match=text):
         sampler(**kwargs)
+
+
+def test_following_sampler_rebuilds_once_per_change():
+    """A FollowingSampler keeps its sampler while nothing changed, and builds one new sampler
+    (not one per call) after a weight update in place and after a conversion and back, which
+    keeps versions but not storage."""
+    from diffusion_policy_accelerated.sampler import FollowingSampler
+
+    unet, schedule, _ = build("cpu")
+    following = FollowingSampler(unet)
+    get = lambda: following.get("key", lambda: schedule, torch.device("cpu"))
+    first = get()
+    assert get() is first
+    with torch.no_grad():
+        unet.final_conv[1].weight.mul_(2)
+    updated = get()
+    assert updated is not first and get() is updated
+    unet.double().float()
+    converted = get()
+    assert converted is not updated and get() is converted
