@@ -18,8 +18,9 @@ max|da|: the largest action difference from the eager policy on the same observa
 noise (DDIM draws only the initial noise, so this is rounding and TF32).
 
 The policies are the stand-ins of tests/dp_policies.py (Diffusion Policy is not on PyPI), with
-random weights. Wall-clock medians after warm-up of synchronised calls, so host work counts. PyTorch's default precision settings, as a policy runs by default: cuDNN's
-convolutions (the encoder's) may use TF32, matrix products do not (--no-tf32: neither).
+random weights. Wall-clock medians after warm-up of synchronised calls, so host work counts.
+PyTorch's default precision settings, as a policy runs by default: cuDNN's convolutions (the
+encoder's) may use TF32, matrix products do not (--no-tf32: neither).
 Writes JSON and a PNG plot.
 
     python scripts/benchmark_policy.py [--policy lowdim image1 image3] [--batch 1 8]
