@@ -575,3 +575,31 @@ def call_graph_png(prof_path, png_path) -> str:
                            capture_output=True).stdout
     subprocess.run([tools["dot"], "-Tpng", "-o", str(png_path)], input=graph, check=True)
     return f"call graph: {png_path}"
+
+
+def plot_grouped_bars(rows: Sequence[dict], group: Sequence[str], label, value: str, ylabel: str, title: str,
+                      path) -> None:
+    """A log-scale bar chart of the benchmark scripts' rows: one cluster per distinct value of
+    the `group` fields (in first-seen order, labelled by label(*those values)), one bar per
+    method in each, height row[value] (NaN where a method has no row)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = lambda r: tuple(r[field] for field in group)
+    clusters = list(dict.fromkeys(key(r) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(clusters)), 4.5))
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        heights = [next((r[value] for r in rows if key(r) == c and r["method"] == method), float("nan"))
+                   for c in clusters]
+        ax.bar([i + k * width for i in range(len(clusters))], heights, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(clusters))])
+    ax.set_xticklabels([label(*c) for c in clusters], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -26,7 +26,7 @@ from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, median_ms
+from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, median_ms, plot_grouped_bars
 from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
@@ -167,26 +167,11 @@ def run(args):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["unet"], r["schedule"], r["horizon"], r["batch"]) for r in rows})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(configs)), 4.5))
-    width = 0.8 / len(methods)
-    for k, method in enumerate(methods):
-        values = [next((r["ms_per_action"] for r in rows if (r["unet"], r["schedule"], r["horizon"], r["batch"]) == c
-                        and r["method"] == method), float("nan")) for c in configs]
-        ax.bar([i + k * width for i in range(len(configs))], values, width, label=method)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"{u}\n{s}\nT={t} B={b}" for u, s, t, b in configs], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per action chunk (log)")
-    ax.set_title(f"Diffusion Policy denoising loop, {rows[0]['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # Sorted, as the table's configurations were before: U-Net, schedule, horizon, batch.
+    rows = sorted(rows, key=lambda r: (r["unet"], r["schedule"], r["horizon"], r["batch"]))
+    plot_grouped_bars(rows, ("unet", "schedule", "horizon", "batch"), lambda u, s, t, b: f"{u}\n{s}\nT={t} B={b}",
+                      "ms_per_action", "ms per action chunk (log)",
+                      f"Diffusion Policy denoising loop, {rows[0]['device']}", path)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes  # no
 
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate  # noqa: E402
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+from diffusion_policy_accelerated.profiling import plot_grouped_bars  # noqa: E402
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
 POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras
@@ -176,26 +177,9 @@ def sampler_alone(policy, obs):
 
 
 def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = list(dict.fromkeys((r["policy"], r["schedule"], r["batch"]) for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(configs)), 4.5))
-    width = 0.8 / len(methods)
-    for k, method in enumerate(methods):
-        values = [next((r["ms"] for r in rows if (r["policy"], r["schedule"], r["batch"]) == c
-                        and r["method"] == method), float("nan")) for c in configs]
-        ax.bar([i + k * width for i in range(len(configs))], values, width, label=method)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"{p}\n{s}\nB={b}" for p, s, b in configs], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per predict_action (log)")
-    ax.set_title(f"Diffusion Policy predict_action end to end, {rows[0]['device']}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_grouped_bars(rows, ("policy", "schedule", "batch"), lambda p, s, b: f"{p}\n{s}\nB={b}", "ms",
+                      "ms per predict_action (log)",
+                      f"Diffusion Policy predict_action end to end, {rows[0]['device']}", path)
 
 
 if __name__ == "__main__":
