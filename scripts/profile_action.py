@@ -16,7 +16,7 @@ down.0.res0.block0), {mode}_roofline.csv and .png, {mode}_forward.prof, and
 {mode}_forward.png where gprof2dot and Graphviz are installed.
 
     python scripts/profile_action.py --mode {eager,graph,ours} [--device cuda|cpu] [--unet lowdim|image]
-                              [--batch N] [--horizon N] [--steps N] [--out DIR] [--no-graph]
+                              [--batch N] [--horizon N] [--dtype float32|float16|bfloat16] [--steps N] [--out DIR] [--no-graph]
 """
 import argparse
 from pathlib import Path
@@ -79,6 +79,8 @@ def main(argv=None):
                              "has the ops that launch its kernels (per-op roofline of the fused ops)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--horizon", type=int, default=HORIZON)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the U-Net's and the data's dtype")
     parser.add_argument("--steps", type=int, help="DDPM steps (default 100 on CUDA, 10 on a CPU)")
     parser.add_argument("--reps", type=int, default=3, help="actions averaged in the breakdown")
     parser.add_argument("--out", default="profile_out", help="folder for the files")
@@ -102,14 +104,15 @@ def main(argv=None):
         return out / f"{prefix}_{kind}"
 
     torch.manual_seed(0)
-    unet = ConditionalUnet1D(**config).to(device).eval()
+    dtype = getattr(torch, args.dtype)
+    unet = ConditionalUnet1D(**config).to(device, dtype).eval()
     unet.use_fused_ops = args.mode == "ours"
     schedule = DenoiseSchedule.from_diffusers(SCHEDULER_CONFIG, steps, kind="ddpm").to(device)
     generator = torch.Generator(device).manual_seed(0)
-    data = torch.randn(args.batch, args.horizon, config["input_dim"], device=device, generator=generator)
+    data = torch.randn(args.batch, args.horizon, config["input_dim"], device=device, generator=generator).to(dtype)
     mask = torch.zeros_like(data, dtype=torch.bool)
-    global_cond = torch.randn(args.batch, config["global_cond_dim"], device=device, generator=generator)
-    noise = torch.randn((steps + 1,) + tuple(data.shape), device=device, generator=generator)
+    global_cond = torch.randn(args.batch, config["global_cond_dim"], device=device, generator=generator).to(dtype)
+    noise = torch.randn((steps + 1,) + tuple(data.shape), device=device, generator=generator).to(dtype)
 
     report = []
 
@@ -120,7 +123,7 @@ def main(argv=None):
     peaks = measure_peaks(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     emit(f"{name}  torch {torch.__version__}  mode {args.mode}  U-Net {args.unet} "
-         f"{config['down_dims']}  batch {args.batch}  DDPM-{steps}  fp32, TF32 off\n"
+         f"{config['down_dims']}  batch {args.batch}  DDPM-{steps}  {args.dtype}, TF32 off\n"
          f"peaks (measured now): {peaks.describe()}")
     with torch.inference_mode():
         action, note = make_action(args.mode, unet, schedule, data, mask, global_cond, noise,

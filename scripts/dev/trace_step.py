@@ -8,7 +8,7 @@ inpaints) and shows it in its "waited" column; the
 step's total is the last launch's done minus the previous step's. Medians over the steps in
 the middle of the loop and over replays.
 
-    python scripts/dev/trace_step.py [--unet lowdim] [--dtype float32] [--steps 10]
+    python scripts/dev/trace_step.py [--unet lowdim] [--dtype float32] [--horizon 16] [--steps 10]
 """
 import argparse
 import statistics
@@ -37,6 +37,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unet", default="lowdim", choices=list(UNETS))
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--replays", type=int, default=5)
     args = parser.parse_args()
@@ -44,7 +45,7 @@ def main():
     unet = ConditionalUnet1D(**UNETS[args.unet]).cuda().eval().to(getattr(torch, args.dtype))
     schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**SCHEDULER_CONFIG), args.steps).to("cuda")
     sampler = GraphedSampler(unet, schedule)
-    data = torch.randn(1, HORIZON, 2, device="cuda")
+    data = torch.randn(1, args.horizon, UNETS[args.unet]["input_dim"], device="cuda")
     mask = torch.zeros_like(data, dtype=torch.bool)
     cond = torch.randn(1, UNETS[args.unet]["global_cond_dim"], device="cuda")
     buffer = torch.zeros(400_000, 9, dtype=torch.int64, device="cuda")
@@ -71,7 +72,7 @@ def main():
                 waited[i].append((times[s * per_step + i][0] - previous_done) / 1e3)
                 done[i].append((times[s * per_step + i][1] - previous_done) / 1e3)
             step_us.append((times[(s + 1) * per_step - 1][1] - times[s * per_step - 1][1]) / 1e3)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.unet} {args.dtype}, batch 1: "
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.unet} {args.dtype}, horizon {args.horizon}, batch 1: "
           f"{per_step} conv launches per step; µs after the previous launch's last block, medians")
     print(f"{'launch':>6} {'blocks':>6} {'waited':>8} {'done':>8}")
     for i in range(per_step):
