@@ -289,6 +289,36 @@ def test_both_cuda_routes(route, threshold, dtype):
                 **TOLERANCES[dtype])
 
 
+# The GEMM route's GroupNorm epilogue: one block per (batch row, group) holding a group of up
+# to 1024 elements (channels per group x length) in registers, or larger groups cut into
+# slices over two launches, as many as fill the SMs where batch x groups is small, and as few
+# as hold each slice where it is not. Groups on both sides of the bound, few and many blocks,
+# odd batches, a last slice shorter than the others, FiLM and a residual, im2col's and
+# taps-major weights.
+GROUP_SHAPES = [(1, 64, 512, 16, 5, 8), (3, 32, 520, 16, 5, 8), (1, 64, 2048, 16, 5, 8),
+                (2, 16, 264, 125, 3, 8), (1, 16, 512, 128, 5, 8), (3, 8, 8, 1025, 5, 1),
+                (20, 32, 520, 16, 5, 8), (160, 8, 8, 1025, 5, 1)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("taps_major", [False, True], ids=["im2col", "taps-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GROUP_SHAPES, ids=str)
+def test_gemm_route_group_sizes(shape, dtype, taps_major):
+    g = torch.Generator().manual_seed(9)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+    film, residual = film_and_residual(shape, dtype, "cuda", g, "slice of a wider row")
+    if taps_major:
+        w = ops.taps_major(w)
+    batch, _, cout, length, _, groups = shape
+    with kernel_config(gemm_min_positions=1):
+        poison_allocator("cuda", batch * cout * length, dtype)
+        out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, film=film, residual=residual)
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+    torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film, residual),
+                               **TOLERANCES[dtype])
+
+
 # Streaming-route shapes for the two GroupNorm kernels: U-Net layers (1024->1024 L4 streams
 # through the cluster's weight ring; 2048->2048 L4's slice is too long for a cluster, so
 # split-K either way), a group of 16 row tiles and no split, groups

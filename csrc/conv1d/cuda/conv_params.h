@@ -42,6 +42,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <vector_types.h>  // float2
+
 #include <algorithm>
 #include <cstdint>
 
@@ -172,7 +174,8 @@ struct Im2col {
 // U-Net group of horizon 16) in registers, with its epilogue inputs, and runs both statistics
 // passes on them: re-reading them were dependent L2 round trips, on a kernel that is all
 // latency (~6 µs a launch at batch 64; docs/tried.md, "im2col on a 2-D grid"). Few enough held that a
-// batch 64 U-Net's blocks are resident at once.
+// batch 64 U-Net's blocks are resident at once. Larger groups are cut into slices
+// (GroupSlices).
 constexpr int kHeldPerThread = 4;
 
 // Whether the GroupNorm epilogue holds a group in registers, which the GemmEpilogueIo
@@ -200,15 +203,26 @@ struct GemmEpilogueIo {
   const void* residual_rows;
 };
 
+// A GroupNorm epilogue cut into slices, for groups larger than a block holds: each group is
+// cut into `slices` slices of slice_len elements (the last may be shorter, none empty), one
+// block each, in two launches: the slices' pre-activations and moments, then the group's
+// statistics merged from its slices' and the slices normalised (gemm_epilogue.cuh).
+struct GroupSlices {
+  float* pre;       // [batch * groups][group elements]
+  float2* moments;  // [batch * groups][slices]: each slice's mean and sum of squared deviations
+  int slices, slice_len;
+};
+
 // The GEMM route's kernels for dtype T on the current stream (gemm_epilogue.cuh).
 // im2col: the columns `cut` of a's input into cols [rows, a.batch * cut.length].
 template <typename T>
 void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols);
 // The GroupNorm epilogue over `pre`, the GEMM's result of the form (T, or fp32 where taps are
-// rows), one block per (batch row, group).
+// rows): one block per (batch row, group) holding it (group_held), or with slices.slices > 1
+// one per slice of one (no io options then).
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
-                                const GemmEpilogueIo& io);
+                                const GemmEpilogueIo& io, const GroupSlices& slices);
 // The plain conv's epilogue (bias, residual) over `pre`, into a.out ([B, C_out, L_out]).
 template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form);

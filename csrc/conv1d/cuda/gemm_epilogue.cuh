@@ -6,6 +6,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <type_traits>
+
 #include "conv1d/cuda/device_common.cuh"
 
 namespace dpa {
@@ -69,19 +71,14 @@ struct TapRowsPre {
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
 // pre(c, b * L + l): the pre-activations, read from the GEMM's result (GemmPre,
 // TapRowsPre). A group of up to kHeldPerThread * kThreads elements is held in registers
-// (conv_params.h says why); larger ones take normalize_group. Same summation order as
-// normalize_group, so the same bits.
+// (conv_params.h says why); the launcher cuts larger ones into slices (GroupSlices).
 template <typename T, typename Pre>
 __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io) {
   __shared__ float scratch[kWarps];
-  __shared__ float2 stats[1];
   __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
   const int64_t positions = static_cast<int64_t>(a.batch) * L;
-  if (count > kHeldPerThread * kThreads) {
-    return normalize_group<T>(a, pre, g * cpg, (g + 1) * cpg, b, b + 1, scratch, stats);
-  }
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
   float s = 0.f;
@@ -164,6 +161,98 @@ __global__ void __launch_bounds__(kThreads)
   group_norm_epilogue<T>(a, pre, io);
 }
 
+// The sliced GroupNorm epilogue (GroupSlices), first launch: block blockIdx.x takes slice
+// blockIdx.x % slices of (batch row, group) blockIdx.x / slices, stores its pre-activations
+// and its mean and sum of squared deviations (two passes over the held values, as the
+// one-block epilogue takes them over the group).
+template <typename T, typename Pre>
+__global__ void __launch_bounds__(kThreads)
+    group_slice_moments_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
+  __shared__ float scratch[kWarps];
+  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
+  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
+  const int cpg = a.cout / a.groups, count = cpg * L;
+  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  float v[kHeldPerThread];
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i < lo + n) v[j] = pre(g * cpg + i / L, b * L + i % L);
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < n) {
+      s.pre[static_cast<int64_t>(unit) * count + lo + i] = v[j];
+      sum += v[j];
+    }
+  }
+  const float mean = block_sum(sum, scratch) / n;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    if (threadIdx.x + j * kThreads < n) {
+      const float d = v[j] - mean;
+      sq += d * d;
+    }
+  }
+  const float m2 = block_sum(sq, scratch);
+  if (threadIdx.x == 0) s.moments[static_cast<int64_t>(unit) * s.slices + slice] = make_float2(mean, m2);
+}
+
+// Second launch: each block merges its group's slice moments in slice order (Chan et al.'s
+// pairwise update: no cancellation, and the same bits on every run), then runs GroupNorm ->
+// Mish -> FiLM -> residual on its slice. Its epilogue inputs and pre-activations are
+// requested before the merge, so their round trip overlaps it.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s) {
+  __shared__ float2 moments[kThreads];
+  __shared__ float2 stats;
+  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
+  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
+  const int cpg = a.cout / a.groups, count = cpg * L;
+  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  float v[kHeldPerThread];
+  Epilogue e[kHeldPerThread];
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i < lo + n) {
+      v[j] = __ldcg(s.pre + static_cast<int64_t>(unit) * count + i);
+      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
+    }
+  }
+  // kThreads slices' moments at a time through shared memory, merged by thread 0.
+  float merged = 0.f, mean = 0.f, m2 = 0.f;
+  for (int k0 = 0; k0 < s.slices; k0 += kThreads) {
+    if (k0 + threadIdx.x < s.slices) {
+      moments[threadIdx.x] = __ldcg(s.moments + static_cast<int64_t>(unit) * s.slices + k0 + threadIdx.x);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int k = k0; k < min(k0 + kThreads, s.slices); ++k) {
+        const float nk = static_cast<float>(min(s.slice_len, count - k * s.slice_len));
+        const float total = merged + nk, delta = moments[k - k0].x - mean;
+        mean += delta * (nk / total);
+        m2 += moments[k - k0].y + delta * delta * (merged * nk / total);
+        merged = total;
+      }
+    }
+    __syncthreads();  // moments is rewritten by the next round
+  }
+  if (threadIdx.x == 0) stats = make_float2(mean, rsqrtf(m2 / count + a.eps));
+  __syncthreads();
+  const float2 st = stats;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i >= lo + n) continue;
+    const float out = mish((v[j] - st.x) * st.y * e[j].gamma + e[j].beta);
+    store_output<T>(a, b, g * cpg + i / L, i % L, apply_epilogue(e[j], out));
+  }
+}
+
 // The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
 // result (GemmForm), written as [B, C_out, L_out]. The host keeps every index below 2^31.
 template <typename T, typename P>
@@ -242,25 +331,37 @@ void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
 
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
-                                const GemmEpilogueIo& io) {
-  const dim3 grid(a.batch * a.groups);
+                                const GemmEpilogueIo& io, const GroupSlices& slices) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (form != GemmForm::kTapRows) {
-    group_norm_epilogue_kernel<T><<<grid, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), io);
-  } else {
-    const auto launch = [&](auto taps) {
-      const TapRowsPre<T, decltype(taps)::value> rows{static_cast<const float*>(pre), a.positions, a.bias,
-                                                      a.ksize, a.pad, a.lout};
-      tap_rows_group_norm_epilogue_kernel<<<grid, kThreads, 0, stream>>>(a, rows, io);
+  const int units = a.batch * a.groups;
+  TORCH_INTERNAL_ASSERT(slices.slices == 1 || !(io.residual_pre || io.residual_rows || io.cols),
+                        "a sliced GroupNorm epilogue takes no io options");
+  // launch(TapRowsPre functor), Diffusion Policy's kernel sizes compiled in.
+  const auto with_tap_rows = [&](const auto& launch) {
+    const auto rows = [&](auto taps) {
+      return TapRowsPre<T, decltype(taps)::value>{static_cast<const float*>(pre), a.positions, a.bias,
+                                                  a.ksize, a.pad, a.lout};
     };
-    // Diffusion Policy's kernel sizes compiled in.
-    if (a.ksize == 5) {
-      launch(std::integral_constant<int, 5>{});
-    } else if (a.ksize == 3) {
-      launch(std::integral_constant<int, 3>{});
+    if (a.ksize == 5) return launch(rows(std::integral_constant<int, 5>{}));
+    if (a.ksize == 3) return launch(rows(std::integral_constant<int, 3>{}));
+    return launch(rows(std::integral_constant<int, 0>{}));
+  };
+  if (slices.slices > 1) {
+    const dim3 grid(units * slices.slices);
+    const auto moments = [&](const auto& rows) {
+      group_slice_moments_kernel<T><<<grid, kThreads, 0, stream>>>(a, rows, slices);
+    };
+    if (form == GemmForm::kTapRows) {
+      with_tap_rows(moments);
     } else {
-      launch(std::integral_constant<int, 0>{});
+      moments(GemmPre<T>{static_cast<const T*>(pre), a.positions, a.bias});
     }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices);
+  } else if (form != GemmForm::kTapRows) {
+    group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), io);
+  } else {
+    with_tap_rows([&](const auto& rows) { tap_rows_group_norm_epilogue_kernel<<<units, kThreads, 0, stream>>>(a, rows, io); });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -282,7 +383,7 @@ void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form) {
 #define DPA_INSTANTIATE_GEMM_EPILOGUE(T)                                                              \
   template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*);                          \
   template void launch_group_norm_epilogue<T>(const StreamArgs&, const void*, GemmForm,               \
-                                              const GemmEpilogueIo&);                                 \
+                                              const GemmEpilogueIo&, const GroupSlices&);             \
   template void launch_conv_epilogue<T>(const StreamArgs&, const void*, GemmForm);
 
 }  // namespace dpa
