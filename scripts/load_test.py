@@ -98,6 +98,7 @@ def start_server(args, port):
     command += ["--device", args.device] if args.device else []
     command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
     command += ["--ray-replicas", str(args.ray_replicas)] if args.ray_replicas else []
+    command += ["--instances", str(args.instances)] if args.instances else []
     print("starting:", " ".join(command[2:]), flush=True)
     # The server's warm-up progress goes to this terminal (its stderr).
     return subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -131,6 +132,8 @@ def main(argv=None):
     parser.add_argument("--checkpoint", help="serve this Diffusion Policy lowdim checkpoint instead of the demo")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--instances", type=int, help="dpa serve --instances: policy copies whose batches "
+                        "run side by side (default: dpa serve's)")
     parser.add_argument("--ray-replicas", type=int, help="through Ray Serve with this many replicas")
     parser.add_argument("--kill-replica", action="store_true", help="kill one Ray Serve replica in the largest row")
     parser.add_argument("--json", default="load_test.json")
@@ -170,7 +173,8 @@ def main(argv=None):
         except subprocess.TimeoutExpired:
             server.kill()
     with open(args.json, "w") as f:
-        json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "rows": rows}, f, indent=1)
+        json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "instances": args.instances,
+                   "rows": rows}, f, indent=1)
     print(f"wrote {args.json}")
     if args.plot:
         plot(rows, spec, args.plot)

@@ -363,14 +363,74 @@ def test_a_failing_batch_fails_only_its_requests(demo_policy):
         assert raw_post(server.url, protocol.encode_request(observation()))[0] == 200
 
 
+def timed_policy(demo_policy, seconds, spans, seed=0):
+    """The demo policy, each batch taking at least `seconds` and recording its (start, end)."""
+    def predict(inputs, noise):
+        start = time.monotonic()
+        time.sleep(seconds)
+        out = demo_policy.predict(inputs, noise)
+        spans.append((start, time.monotonic()))
+        return out
+    return ServedPolicy(name="timed demo", inputs=demo_policy.inputs, action_shape=demo_policy.spec.action.shape,
+                        trajectory_shape=demo_policy.trajectory_shape, num_steps=demo_policy.num_steps,
+                        device="cpu", predict=predict, max_rows=demo_policy.max_rows, seed=seed)
+
+
+@pytest.mark.parametrize("instances", [1, 2])
+def test_instances_run_batches_side_by_side(demo_policy, instances):
+    """A request that comes while a batch runs: with two instances its batch starts at once,
+    beside the running one; with one it waits for the running batch to end. Either way every
+    request gets its own seeded answer."""
+    spans = []
+    policies = [timed_policy(demo_policy, 0.6, spans, seed=i) for i in range(instances)]
+    with ServerThread(policies, port=0, max_wait_ms=0) as server:
+        spans.clear()  # the warm-up's
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(raw_post, server.url, protocol.encode_request(observation(seed=1), seed=1))
+            time.sleep(0.2)  # the first batch is running
+            second = pool.submit(raw_post, server.url, protocol.encode_request(observation(seed=2), seed=2))
+            answers = [first.result(30), second.result(30)]
+    for (status, body), seed in zip(answers, (1, 2)):
+        assert status == 200
+        action, _ = protocol.decode_action(body)
+        np.testing.assert_allclose(action, act_one(demo_policy, observation(seed=seed), seed), **TOLERANCE)
+    (start1, end1), (start2, end2) = sorted(spans)
+    if instances == 2:
+        assert start2 < end1, f"the second batch waited for the first: {spans}"
+    else:
+        assert start2 >= end1, f"one instance ran two batches at once: {spans}"
+
+
+def test_instances_draw_noise_of_their_own(demo_policy):
+    """Instances made with different seeds give unseeded rows different noise; the same
+    seeded request gets the same action from either."""
+    a, b = (load_policy(PolicySource(device="cpu", scheduler="ddpm", steps=2), max_rows=2, seed=i) for i in (0, 1))
+    obs = observation()
+    assert not np.allclose(a.act([act_request(obs)])[0][0], b.act([act_request(obs)])[0][0])
+    np.testing.assert_allclose(a.act([act_request(obs, 9)])[0][0], b.act([act_request(obs, 9)])[0][0], **TOLERANCE)
+
+
+def test_bad_instances(demo_policy):
+    from diffusion_policy_accelerated.serving.batcher import Batcher
+
+    other = load_policy(PolicySource(device="cpu", scheduler="ddim", steps=2), max_rows=4)
+    for bad, error, text in [([], TypeError, "a non-empty sequence"), ([demo_policy, "x"], TypeError, "non-empty"),
+                             ([demo_policy, demo_policy], ValueError, "the same instance is listed twice"),
+                             ([demo_policy, other], ValueError, "the instances serve different specs")]:
+        with pytest.raises(error, match=text):
+            Batcher(bad)
+
+
 def test_dpa_serve_process(tmp_path):
-    """The `dpa serve` command: warms up, serves, and exits 0 on SIGTERM."""
+    """The `dpa serve` command with two instances: warms both up, serves, and exits 0 on
+    SIGTERM."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, "-m", "diffusion_policy_accelerated.cli", "serve", "--device", "cpu",
-                                "--scheduler", "ddim", "--steps", "2", "--max-batch", "4", "--port", str(port)],
+                                "--scheduler", "ddim", "--steps", "2", "--max-batch", "4", "--port", str(port),
+                                "--instances", "2"],
                                stderr=subprocess.PIPE, text=True, env=env)
     try:
         with PolicyClient(f"http://127.0.0.1:{port}", timeout=30) as client:
@@ -382,13 +442,14 @@ def test_dpa_serve_process(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    assert "batch 4 ready (3/3" in log and "dpa serve: stopped" in log, log
+    assert "instance 2 of 2" in log and log.count("batch 4 ready (3/3") == 2 and "dpa serve: stopped" in log, log
 
 
 def test_cli_usage():
     from diffusion_policy_accelerated.cli import main
     assert main([]) == 2 and main(["nonsense"]) == 2
-    for bad in (["--checkpoint", "a.ckpt", "--lerobot", "folder"], ["--ray-replicas", "0"], ["--max-queue", "0"]):
+    for bad in (["--checkpoint", "a.ckpt", "--lerobot", "folder"], ["--ray-replicas", "0"], ["--max-queue", "0"],
+                ["--instances", "0"], ["--instances", "2", "--ray-replicas", "2"]):
         with pytest.raises(SystemExit):
             main(["serve", *bad])
 

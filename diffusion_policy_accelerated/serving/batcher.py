@@ -1,11 +1,16 @@
 """Dynamic batching for `dpa serve`: concurrent requests become one sampler call.
 
-Requests wait in a bounded queue (counted in observation rows). One worker runs them, as
-many as fit in `max_rows` per sampler call, in a dedicated thread, so that the event loop
-keeps receiving and validating the next requests while the device works.
+Requests wait in a bounded queue (counted in observation rows). A worker per policy
+instance runs them, as many as fit in `max_rows` per sampler call, in a thread of its own, so
+that the event loop keeps receiving and validating the next requests while the device works.
 
-When the device is free and requests wait, the next batch starts once it is full, or once no
-request has come for `max_wait_s`, or once the device has waited `IDLE_WAITS * max_wait_s`.
+Several instances of one policy (each with its own CUDA graphs, buffers and stream) let a
+batch start while another one runs: a request that just missed a batch then waits for no
+one's batch but its own. With one instance it waits for the running batch to end first, so
+the slowest of many closed-loop clients pays about two batches.
+
+When an instance is free and requests wait, its next batch starts once it is full, or once no
+request has come for `max_wait_s`, or once it has waited `IDLE_WAITS * max_wait_s`.
 The end of a batch counts as an arrival: its clients are about to send their next requests
 (a robot asks for its next chunk when it gets one), so the worker waits for them rather than
 starting at once with the few that came during the run. Starting at once splits
@@ -21,7 +26,7 @@ import asyncio
 import collections
 import concurrent.futures
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, Optional
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -57,10 +62,15 @@ class _Pending:
 
 
 class Batcher:
-    def __init__(self, policy: ServedPolicy, *, max_wait_s: float = 0.002, max_queue_rows: Optional[int] = None,
-                 metrics: Optional[Metrics] = None):
+    """Batches requests for `policy`: one ServedPolicy, or a sequence of instances of one
+    policy (the same spec; see the module doc), each run by a worker of its own."""
+
+    def __init__(self, policy: Union[ServedPolicy, Sequence[ServedPolicy]], *, max_wait_s: float = 0.002,
+                 max_queue_rows: Optional[int] = None, metrics: Optional[Metrics] = None):
         if max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
+        self.instances = check_instances(policy)
+        policy = self.instances[0]
         self.policy = policy
         self.max_rows = policy.max_rows
         self.max_wait_s = max_wait_s
@@ -78,20 +88,28 @@ class Batcher:
         self._wakeup: Optional[asyncio.Event] = None
         # Event-loop times of the latest arrival and of the end of the latest batch.
         self._last_arrival = self._last_batch_end = float("-inf")
-        self._worker: Optional[asyncio.Task] = None
-        # One thread: the policy (its CUDA graphs and buffers) is used by one thread only.
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dpa-serve")
+        self._workers: List[asyncio.Task] = []
+        # One thread per instance: an instance (its CUDA graphs and buffers) is used by one
+        # thread only.
+        self._executors = [concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"dpa-serve-{i}")
+                           for i in range(len(self.instances))]
 
     async def start(self, log=None) -> None:
-        """Warm up (capture every batch bucket's graph) in the worker thread, then serve."""
+        """Warm up (capture every batch bucket's graph) in each instance's thread, one
+        instance after the other, then serve."""
         loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        if log is None:
-            await loop.run_in_executor(self._executor, self.policy.warm_up)
-        else:
-            await loop.run_in_executor(self._executor, self.policy.warm_up, log)
-        self._worker = asyncio.create_task(self._work())
-        self._worker.add_done_callback(self._worker_ended)
+        for i, (instance, executor) in enumerate(zip(self.instances, self._executors)):
+            if log is None:
+                await loop.run_in_executor(executor, instance.warm_up)
+            else:
+                if len(self.instances) > 1:
+                    log(f"dpa serve: instance {i + 1} of {len(self.instances)}")
+                await loop.run_in_executor(executor, instance.warm_up, log)
+        for instance, executor in zip(self.instances, self._executors):
+            worker = asyncio.create_task(self._work(instance, executor))
+            worker.add_done_callback(self._worker_ended)
+            self._workers.append(worker)
         self.ready = True
 
     def _worker_ended(self, worker: asyncio.Task) -> None:
@@ -102,6 +120,7 @@ class Batcher:
         self.ready = False
         _fail(self._pending, worker.exception())
         self._pending.clear()
+        self._pending_rows = 0
 
     @property
     def queued_rows(self) -> int:
@@ -126,20 +145,23 @@ class Batcher:
         """Refuse new requests, answer every queued one, then stop the worker; after
         `timeout` seconds, answer what is left with Overloaded (503) instead."""
         self.accepting = False
-        if self._worker is not None:
+        if self._workers:
             self._wakeup.set()
             try:
-                await asyncio.wait_for(asyncio.shield(self._worker), timeout)
+                # A worker that died has failed its requests already (_worker_ended).
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*self._workers, return_exceptions=True)), timeout)
             except asyncio.TimeoutError:
                 self.drained = False
-                self._worker.cancel()
+                for worker in self._workers:
+                    worker.cancel()
                 _fail(self._pending, Overloaded("the server stopped before this request ran"))
                 self._pending.clear()
-        # Not waiting for a batch stuck on the device, or for a warm-up: the thread is left to
-        # the process's exit (`dpa serve` exits at once when not drained).
-        self._executor.shutdown(wait=self._worker is not None and self.drained)
+        # Not waiting for a batch stuck on the device, or for a warm-up: the threads are left
+        # to the process's exit (`dpa serve` exits at once when not drained).
+        for executor in self._executors:
+            executor.shutdown(wait=bool(self._workers) and self.drained)
 
-    async def _work(self) -> None:
+    async def _work(self, instance: ServedPolicy, executor: concurrent.futures.Executor) -> None:
         loop = asyncio.get_running_loop()
         while True:
             while not self._pending:
@@ -147,7 +169,8 @@ class Batcher:
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            # Wait for a full batch, while requests keep coming (see the module doc).
+            # Wait for a full batch, while requests keep coming (see the module doc). Another
+            # idle worker may take them meanwhile: then this one waits again.
             idle_until = max(loop.time(), self._pending[0].arrival) + IDLE_WAITS * self.max_wait_s
             while self._pending_rows < self.max_rows and self.accepting:
                 quiet_until = max(self._last_arrival, self._last_batch_end) + self.max_wait_s
@@ -173,14 +196,13 @@ class Batcher:
                 rows += pending.request.rows
             self.metrics.queue_rows.set(self._pending_rows)
             if batch:
-                await self._run(loop, batch)
+                await self._run(loop, instance, executor, batch)
                 self._last_batch_end = loop.time()
 
-    async def _run(self, loop, batch) -> None:
+    async def _run(self, loop, instance: ServedPolicy, executor: concurrent.futures.Executor, batch) -> None:
         started = loop.time()
         try:
-            actions, timings = await loop.run_in_executor(self._executor, self.policy.act,
-                                                          [p.request for p in batch])
+            actions, timings = await loop.run_in_executor(executor, instance.act, [p.request for p in batch])
         # A batch still running when stop() gives up answers its requests with 503.
         except asyncio.CancelledError:
             _fail(batch, Overloaded("the server stopped before this request's batch finished"))
@@ -199,6 +221,19 @@ class Batcher:
             result = Result(action, {"queue_ms": 1e3 * (started - pending.arrival), **timings})
             if not pending.future.done():
                 pending.future.set_result(result)
+
+
+def check_instances(policy: Union[ServedPolicy, Sequence[ServedPolicy]]) -> List[ServedPolicy]:
+    """`policy` as a list of instances, checked: at least one, all serving the same spec."""
+    instances = [policy] if isinstance(policy, ServedPolicy) else list(policy)
+    if not instances or not all(isinstance(p, ServedPolicy) for p in instances):
+        raise TypeError(f"policy must be a ServedPolicy or a non-empty sequence of them, got {policy!r}")
+    if len({id(p) for p in instances}) != len(instances):
+        raise ValueError("policy: the same instance is listed twice (each needs graphs and buffers of its own)")
+    for other in instances[1:]:
+        if other.spec != instances[0].spec:
+            raise ValueError(f"policy: the instances serve different specs ({instances[0].spec} and {other.spec})")
+    return instances
 
 
 def _fail(pendings, error: BaseException) -> None:

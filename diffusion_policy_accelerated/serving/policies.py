@@ -11,6 +11,7 @@ kernels sum in their own order), runs the sampler and splits the actions back ou
 checkpoint or a LeRobot pretrained folder) in a form that can be sent to another process: Ray
 Serve builds one policy per replica from it.
 """
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -79,8 +80,12 @@ class ServedPolicy:
         self.buckets = batch_buckets(max_rows)
         self.spec = PolicySpec(self.inputs, TensorSpec(tuple(action_shape)), max_rows,
                                {"policy": name, "device": str(self.device), **(info or {})})
-        # The noise of rows without a seed: one stream per server, on the policy's device.
+        # The noise of rows without a seed: one stream per instance (instances of one server
+        # take different seeds), on the policy's device.
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        # A CUDA stream of its own, so that instances of one server run their batches side by
+        # side (the device's default stream would serialise them).
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @property
     def max_rows(self) -> int:
@@ -124,6 +129,10 @@ class ServedPolicy:
         return actions, timings
 
     def _run(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return self._run_on_stream(inputs, seeds)
+
+    def _run_on_stream(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
         rows = sum(n for n, _ in seeds)
         bucket = self.bucket(rows)
         batch = {}
@@ -145,14 +154,20 @@ class ServedPolicy:
         return actions[:rows].float().cpu().numpy()
 
 
-def load_policy(source: PolicySource, max_rows: int = 64) -> ServedPolicy:
-    """The ServedPolicy of `source`, on its device (default: CUDA where there is one)."""
-    device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def policy_device(source: PolicySource) -> torch.device:
+    """Where `source` is served: its device, or CUDA where there is one."""
+    return torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> ServedPolicy:
+    """The ServedPolicy of `source`, on policy_device(source); `seed` starts the noise of
+    rows whose request names no seed."""
+    device = policy_device(source)
     dtype = DTYPES[source.dtype]
     info = {"dtype": source.dtype, "torch": torch.__version__,
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     if source.kind == "demo":
-        return _demo_policy(source, device, dtype, max_rows, info)
+        return _demo_policy(source, device, dtype, max_rows, info, seed)
     if source.kind == "checkpoint":
         from ..checkpoint import LOWDIM_POLICY, load_checkpoint
 
@@ -161,7 +176,7 @@ def load_policy(source: PolicySource, max_rows: int = 64) -> ServedPolicy:
                     scheduler=ckpt.schedule.kind)
         trajectory = (ckpt.trajectory_length, ckpt.unet_config["input_dim"])
         common = dict(action_shape=(ckpt.n_action_steps, ckpt.action_dim), trajectory_shape=trajectory,
-                      num_steps=ckpt.sampler.num_steps, device=device, max_rows=max_rows, info=info)
+                      num_steps=ckpt.sampler.num_steps, device=device, max_rows=max_rows, info=info, seed=seed)
         if ckpt.policy_class == LOWDIM_POLICY:
             # Raw observations: the checkpoint's normaliser runs in the server.
             return ServedPolicy(name=f"{ckpt.policy_class} ({source.path})",
@@ -186,12 +201,12 @@ def load_policy(source: PolicySource, max_rows: int = 64) -> ServedPolicy:
                         inputs={"global_cond": TensorSpec((policy.global_cond_dim,))},
                         action_shape=(policy.n_action_steps, policy.action_dim),
                         trajectory_shape=(policy.horizon, policy.action_dim), num_steps=policy.sampler.num_steps,
-                        device=device, max_rows=max_rows, info=info,
+                        device=device, max_rows=max_rows, info=info, seed=seed,
                         predict=lambda x, noise: policy.predict_action_chunk(x["global_cond"], noise=noise))
 
 
 def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype, max_rows: int,
-                 info: Dict[str, object]) -> ServedPolicy:
+                 info: Dict[str, object], seed: int) -> ServedPolicy:
     from ..configs import HORIZON, SCHEDULER_CONFIG, UNETS
     from ..model import ConditionalUnet1D
     from ..sampler import GraphedSampler
@@ -213,4 +228,4 @@ def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype,
     return ServedPolicy(name="demo: Diffusion Policy's lowdim Push-T U-Net, random weights",
                         inputs={"global_cond": TensorSpec((config["global_cond_dim"],))}, action_shape=shape,
                         trajectory_shape=shape, num_steps=sampler.num_steps, device=device, predict=predict,
-                        max_rows=max_rows, info=info)
+                        max_rows=max_rows, info=info, seed=seed)

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 from aiohttp import web
 
@@ -45,19 +45,20 @@ def _connected(request: web.Request) -> bool:
 class PolicyServer:
     """Serves `policy` on host:port (port 0: any free port; see `port` after `start`).
 
-    `max_wait_ms`: how long a request may wait for others to share its batch when the device
-    is idle; `max_queue_rows`: how many observation rows may wait (default 4 batches) before
-    requests are refused with 503."""
+    `policy`: a ServedPolicy, or several instances of one whose batches may run side by side
+    (batcher.py says when that pays). `max_wait_ms`: how long a request may wait for others
+    to share its batch when an instance is idle; `max_queue_rows`: how many observation rows
+    may wait (default 4 batches) before requests are refused with 503."""
 
-    def __init__(self, policy: ServedPolicy, *, host: str = "127.0.0.1", port: int = 8700,
-                 max_wait_ms: float = 2.0, max_queue_rows: Optional[int] = None,
+    def __init__(self, policy: Union[ServedPolicy, Sequence[ServedPolicy]], *, host: str = "127.0.0.1",
+                 port: int = 8700, max_wait_ms: float = 2.0, max_queue_rows: Optional[int] = None,
                  log: Callable[[str], None] = _log):
-        self.policy = policy
         self.host, self.port = host, port
         self.log = log
         self.metrics = Metrics()
         self.batcher = Batcher(policy, max_wait_s=max_wait_ms / 1e3, max_queue_rows=max_queue_rows,
                                metrics=self.metrics)
+        self.policy = self.batcher.policy
         self.stopping = False
         self.warm_up: Optional[asyncio.Task] = None
         self._runner: Optional[web.AppRunner] = None
@@ -81,7 +82,8 @@ class PolicyServer:
         await site.start()
         self.port = self._runner.addresses[0][1]
         self.log(f"dpa serve: {self.policy.name} on {self.policy.device}, listening on {self.url}; "
-                 f"warming up batches {self.policy.buckets}" + (" (one CUDA graph each)..." if self.policy.device.type == "cuda" else "..."))
+                 f"warming up batches {self.policy.buckets}" + (" (one CUDA graph each)" if self.policy.device.type == "cuda" else "")
+                 + (f" of {len(self.batcher.instances)} instances..." if len(self.batcher.instances) > 1 else "..."))
         self.warm_up = asyncio.create_task(self.batcher.start(self.log))
 
     async def wait_ready(self) -> None:
