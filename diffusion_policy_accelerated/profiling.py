@@ -122,6 +122,22 @@ def median_ms(fn: Callable[[], object], warmup: int = 2, reps: int = 7) -> float
     return statistics.median(times)
 
 
+def wall_ms(fn: Callable[[], object], warmup: int = 3, reps: int = 20, device="cuda") -> float:
+    """Median wall-clock ms of fn(), the device synchronised after each call: what a caller
+    waits for, host work included."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
 def weight_copies(weight_bytes: int) -> int:
     """How many copies of a weight overflow the L2 cache (160 MB of them, 2 to 64)."""
     return max(2, min(64, -(-160_000_000 // weight_bytes)))

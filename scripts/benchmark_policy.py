@@ -29,9 +29,7 @@ Writes JSON and a PNG plot.
 import argparse
 import copy
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +40,7 @@ from dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes  # no
 
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate  # noqa: E402
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.profiling import plot_grouped_bars  # noqa: E402
+from diffusion_policy_accelerated.profiling import plot_grouped_bars, wall_ms  # noqa: E402
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
 POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras
@@ -78,20 +76,6 @@ def make_obs(name, batch, seed):
         obs = {f"camera{i}": torch.rand(*steps, *IMAGE, generator=generator) for i in range(POLICIES[name])}
         obs["agent_pos"] = torch.randn(*steps, 2, generator=generator)
     return {key: value.cuda() for key, value in obs.items()}
-
-
-def wall_ms(fn, warmup=3, reps=20):
-    """Median wall-clock ms of a synchronised fn()."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def call(policy, obs):

@@ -282,3 +282,31 @@ def test_weight_updates_are_followed():
         policy.load_state_dict(other.state_dict())
         torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
                                    other.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+
+
+def test_benchmark_script_on_cpu(tmp_path, capsys, monkeypatch):
+    """scripts/benchmark_lerobot.py end to end with a small U-Net: every method's row, ours
+    equal to LeRobot's eager actions on the same noise (DDIM), the JSON and the plot."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_lerobot.py"
+    spec = importlib.util.spec_from_file_location("dpa_benchmark_lerobot", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["--device", "cpu", "--down-dims", "16", "32", "64", "--horizon", "16", "--batch", "1", "3",
+                        "--schedule", "DDIM", "--steps", "2", "--reps", "1", "--out", str(tmp_path)])
+    assert [(r["batch"], r["method"]) for r in rows] == [(b, m) for b in (1, 3)
+                                                         for m in ("LeRobot eager", "ours fp32", "ours bf16")]
+    for row in rows:
+        assert row["ms"] > 0
+        if row["method"] == "ours fp32":
+            assert row["action_error_vs_eager"] < 1e-4
+        elif row["method"] == "ours bf16":
+            assert 0 < row["action_error_vs_eager"] < 0.2
+    assert json.loads((tmp_path / "benchmark_lerobot.json").read_text()) == rows
+    assert (tmp_path / "benchmark_lerobot.png").read_bytes()[:4] == b"\x89PNG"
+    assert "LeRobot eager" in capsys.readouterr().out
+    for bad in (["--batch", "0"], ["--steps", "0"], ["--down-dims", "0"]):
+        with pytest.raises(SystemExit):
+            script.main(["--device", "cpu", *bad])

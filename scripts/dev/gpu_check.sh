@@ -2,7 +2,7 @@
 # Everything a GPU has to confirm, in one run (CONTRIBUTING.md): build, the whole test suite
 # on the GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the
 # profiler. DPA_STAGES picks stages (default: all, in this order):
-#   tests sanitize blocks demo bench policy serve profile ncu
+#   tests sanitize blocks demo bench policy lerobot serve profile ncu
 # DPA_TESTS narrows the tests stage to some files; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
 # (seconds) bound those stages, so that a hung kernel leaves its logs behind. Logs, JSON,
 # plots and traces go to $WORK, packed at the end into $OUT/results.tgz. Python packages a
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dpa_gpu_check}
 WORK=${DPA_WORK:-/tmp/dpa_gpu_work}
-STAGES=${DPA_STAGES:-tests sanitize blocks demo bench policy serve profile ncu}
+STAGES=${DPA_STAGES:-tests sanitize blocks demo bench policy lerobot serve profile ncu}
 mkdir -p "$OUT" "$WORK"
 status=0
 pack() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
@@ -95,6 +95,16 @@ if want policy; then
   echo "== benchmark: predict_action end to end, lowdim and image policies (DPA_POLICY_ARGS)"
   python3 scripts/benchmark_policy.py --out "$WORK" ${DPA_POLICY_ARGS:-} 2>&1 | tee "$WORK/benchmark_policy.txt" \
     || status=1
+fi
+
+if want lerobot; then
+  echo "== benchmark: LeRobot's DiffusionPolicy as its users run it, and accelerated (DPA_LEROBOT_ARGS)"
+  if python3 -c "import lerobot.policies.diffusion.modeling_diffusion" 2>/dev/null; then
+    python3 scripts/benchmark_lerobot.py --out "$WORK" ${DPA_LEROBOT_ARGS:-} 2>&1 | tee "$WORK/benchmark_lerobot.txt" \
+      || status=1
+  else
+    echo "LeRobot does not import here (CONTRIBUTING.md: its wheels for a machine without network): skipped"
+  fi
 fi
 
 if want serve; then
