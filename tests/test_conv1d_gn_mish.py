@@ -293,11 +293,12 @@ def test_both_cuda_routes(route, threshold, dtype):
 # to 1024 elements (channels per group x length) in registers, or larger groups cut into
 # slices over two launches, as many as fill the SMs where batch x groups is small, and as few
 # as hold each slice where it is not. Groups on both sides of the bound, few and many blocks,
-# odd batches, a last slice shorter than the others, FiLM and a residual, im2col's and
-# taps-major weights.
+# odd batches, a last slice shorter than the others, a group of more than 256 slices (the
+# merge reads their moments in several rounds), FiLM and a residual, im2col's and taps-major
+# weights.
 GROUP_SHAPES = [(1, 64, 512, 16, 5, 8), (3, 32, 520, 16, 5, 8), (1, 64, 2048, 16, 5, 8),
                 (2, 16, 264, 125, 3, 8), (1, 16, 512, 128, 5, 8), (3, 8, 8, 1025, 5, 1),
-                (20, 32, 520, 16, 5, 8), (160, 8, 8, 1025, 5, 1)]
+                (20, 32, 520, 16, 5, 8), (160, 8, 8, 1025, 5, 1), (1, 8, 256, 1100, 3, 1)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

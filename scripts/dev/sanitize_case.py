@@ -84,11 +84,11 @@ def main():
                 out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, residual=out)
                 assert torch.isfinite(out).all()
             # Groups held by one block, and groups cut into slices (few blocks or many; the
-            # last slice shorter).
+            # last slice shorter; over 256 slices, merged in rounds).
             for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (2, 9, 24, 1, 5, 24), (5, 64, 256, 8, 5, 8),
                                                          (2, 8, 16, 200, 3, 2), (3, 16, 8, 4, 7, 4),
                                                          (160, 4, 8, 130, 5, 1), (1, 16, 2048, 16, 5, 8),
-                                                         (3, 8, 8, 1025, 5, 1)]:
+                                                         (3, 8, 8, 1025, 5, 1), (1, 8, 256, 1100, 3, 1)]:
                 x = torch.randn(batch, cin, length, device="cuda")
                 w = layout(torch.randn(cout, cin, k, device="cuda"))
                 out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,

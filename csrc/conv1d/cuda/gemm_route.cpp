@@ -107,6 +107,9 @@ void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const
     slices.pre = pre_sums.data_ptr<float>();
     slices.moments = reinterpret_cast<float2*>(moments.data_ptr<float>());
   }
+  // A group the one-block kernel does not hold would be left partly unwritten.
+  TORCH_INTERNAL_ASSERT(slices.slices > 1 || group_held(a.cout / a.groups, a.lout),
+                        "a GroupNorm group of ", count, " elements needs slices");
   DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
     launch_group_norm_epilogue<scalar_t>(a, pre.data_ptr(), form, io, slices);
   });
