@@ -401,6 +401,25 @@ def test_instances_run_batches_side_by_side(demo_policy, instances):
         assert start2 >= end1, f"one instance ran two batches at once: {spans}"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_instances_side_by_side():
+    """Two CUDA instances (their own graphs and streams) acting at once from two threads, as
+    the server's workers do, give each seeded request the action it gets alone."""
+    source = PolicySource(device="cuda", scheduler="ddpm", steps=3)
+    a, b = (load_policy(source, max_rows=8, seed=i) for i in (0, 1))
+    a.warm_up(log=lambda message: None)
+    b.warm_up(log=lambda message: None)
+    requests = [[act_request(observation(rows, seed=10 * k + i), 10 * k + i) for i, rows in enumerate([3, None, 4])]
+                for k in range(2)]
+    alone = [[a.act([r])[0][0] for r in batch] for batch in requests]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for _ in range(5):
+            together = list(pool.map(lambda pair: pair[0].act(pair[1])[0], zip((a, b), requests)))
+            for got, expected in zip(together, alone):
+                for action, single in zip(got, expected):
+                    np.testing.assert_allclose(action, single, **TOLERANCE)
+
+
 def test_instances_draw_noise_of_their_own(demo_policy):
     """Instances made with different seeds give unseeded rows different noise; the same
     seeded request gets the same action from either."""

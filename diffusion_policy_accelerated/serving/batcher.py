@@ -224,7 +224,8 @@ class Batcher:
 
 
 def check_instances(policy: Union[ServedPolicy, Sequence[ServedPolicy]]) -> List[ServedPolicy]:
-    """`policy` as a list of instances, checked: at least one, all serving the same spec."""
+    """`policy` as a list of instances, checked: at least one, all serving the same spec, none
+    listed twice. That they share no model or sampler is the caller's to ensure (ServedPolicy)."""
     instances = [policy] if isinstance(policy, ServedPolicy) else list(policy)
     if not instances or not all(isinstance(p, ServedPolicy) for p in instances):
         raise TypeError(f"policy must be a ServedPolicy or a non-empty sequence of them, got {policy!r}")

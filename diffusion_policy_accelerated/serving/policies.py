@@ -11,7 +11,6 @@ kernels sum in their own order), runs the sampler and splits the actions back ou
 checkpoint or a LeRobot pretrained folder) in a form that can be sent to another process: Ray
 Serve builds one policy per replica from it.
 """
-import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -66,7 +65,9 @@ def batch_buckets(max_rows: int) -> List[int]:
 
 class ServedPolicy:
     """A sampler behind named observation inputs (see the module doc). `act` is not
-    thread-safe: a server calls it from one worker thread."""
+    thread-safe: a server calls it from one worker thread. Instances that a server runs side
+    by side must not share a model or sampler (load_policy makes each its own): their CUDA
+    graphs' buffers would be used by two threads at once."""
 
     def __init__(self, *, name: str, inputs: Dict[str, TensorSpec], action_shape: Tuple[int, int],
                  trajectory_shape: Tuple[int, int], num_steps: int, device: torch.device, predict: Predict,
@@ -129,7 +130,12 @@ class ServedPolicy:
         return actions, timings
 
     def _run(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        if self.stream is None:
+            return self._run_on_stream(inputs, seeds)
+        # After whatever the device's default stream was given before (loading the weights,
+        # updating them in place): this stream does not wait for it by itself.
+        self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self.stream):
             return self._run_on_stream(inputs, seeds)
 
     def _run_on_stream(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
