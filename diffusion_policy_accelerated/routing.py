@@ -3,8 +3,9 @@ thresholds, and the route rules, in one place.
 
 A conv of the U-Net takes one of these routes:
 
-  CPU          ATen's convolution in the input's dtype, then the fused GroupNorm / Mish / FiLM /
-               residual pass.
+  CPU          ATen's convolution (oneDNN) or im2col + one GEMM, in the input's dtype,
+               whichever was faster at the shape's first call (`cpu_conv`), then the fused
+               GroupNorm / Mish / FiLM / residual pass.
   streaming    CUDA, batch x length below `gemm_min_positions`: the weight-streaming kernels,
                which read every weight once at close to HBM bandwidth (a robot's batch 1). On
                Hopper a layer runs as thread-block clusters where its plan fits (`clusters`),
@@ -38,9 +39,13 @@ __all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major
            "on_gemm_route", "ConvRoute", "explain"]
 
 
+# KernelConfig.cpu_conv's values, in the extension's order (csrc/common/kernel_config.h).
+CPU_CONV_ROUTES = ("auto", "aten", "gemm")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """What the CUDA ops may use. The defaults are the measured best; the switches exist to
+    """What the ops may use. The defaults are the measured best; the switches exist to
     measure what each feature buys (`with kernel_config(clusters=False): ...`)."""
 
     # batch x length from which a conv takes the GEMM route instead of streaming its weights.
@@ -75,11 +80,22 @@ class KernelConfig:
     # horizon's deep layers (LeRobot's 2048 channels at length 16 of horizon 64); the
     # horizon-16 U-Nets' batch-1 layers stay below it and stream.
     taps_major_min_work: int = 1 << 23
+    # CPU: how the ops run a (non-transposed) conv. "auto": the first call of each shape,
+    # dtype and thread count times ATen's conv (oneDNN) against im2col + one GEMM on its own
+    # inputs and keeps the faster for the process (csrc/conv1d/cpu/conv_route_cpu.h: no rule
+    # held across shapes and CPUs; on a 2-core AMD EPYC the GEMM took up to 9.7x less time at
+    # batch 1, and ATen's conv up to 2.2x less on others); "aten" / "gemm" fix the route
+    # (reproducible bits, or a measurement).
+    cpu_conv: str = "auto"
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type in (bool, "bool"):
+            if field.type in (str, "str"):
+                if value not in CPU_CONV_ROUTES:
+                    raise ValueError(f"KernelConfig.{field.name} must be one of {list(CPU_CONV_ROUTES)}, "
+                                     f"got {value!r}")
+            elif field.type in (bool, "bool"):
                 if not isinstance(value, bool):
                     raise TypeError(f"KernelConfig.{field.name} must be a bool, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int):
@@ -104,7 +120,8 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
         return
     extension.set_kernel_config(config.gemm_min_positions, config.side_stream_fp32_max_positions,
                                 config.side_stream, config.clusters, config.pdl,
-                                config.weights_evict_first, process_default)
+                                config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
+                                process_default)
 
 
 def install_default(extension) -> None:
@@ -212,7 +229,12 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     described = (f"{'ConvTranspose1d' if transposed else 'Conv1d'} {channels}->{conv.out_channels} "
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
-        return ConvRoute(name, described, "CPU", "ATen's conv in the input's dtype, then the fused epilogue")
+        if transposed:
+            return ConvRoute(name, described, "CPU", "ATen's transposed conv in the input's dtype")
+        how = {"auto": "ATen's conv or one GEMM, whichever was faster at this shape's first call (cpu_conv 'auto')",
+               "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')"}[config.cpu_conv]
+        return ConvRoute(name, described, "CPU", how + ", in the input's dtype"
+                         + (", then the fused epilogue" if group_norm else ""))
     # The ops' GEMM N: output positions, or for a transposed conv input positions.
     kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
     positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)

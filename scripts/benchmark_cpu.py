@@ -28,6 +28,7 @@ from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.costs import conv1d_cost, conv_transpose1d_cost
 from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, matmul_tflops
+from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
 
@@ -86,13 +87,20 @@ def main():
     parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--steps", type=int, default=16, help="DDIM steps of an action")
     parser.add_argument("--reps", type=int, default=9, help="forwards timed per path (actions: a third)")
+    parser.add_argument("--cpu-conv", default="auto", choices=["auto", "aten", "gemm"],
+                        help="ours with this KernelConfig.cpu_conv ('aten': the conv plain PyTorch runs)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    with kernel_config(cpu_conv=args.cpu_conv):
+        run(args)
+
+
+def run(args):
     peak = matmul_tflops(1024, torch.float32, "cpu")
     bandwidth = copy_bandwidth_gbs(256 << 20, "cpu")
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, fp32 matmul "
-          f"{1e3 * peak:.0f} GFLOP/s, copy {bandwidth:.0f} GB/s; DDIM-{args.steps}, horizon {args.horizon}",
-          flush=True)
+          f"{1e3 * peak:.0f} GFLOP/s, copy {bandwidth:.0f} GB/s; DDIM-{args.steps}, horizon {args.horizon}; "
+          f"ours: cpu_conv {args.cpu_conv!r}", flush=True)
     print(f"{'U-Net':7} {'dtype':9} {'B':>3} {'fwd plain ms':>12} {'fwd ours ms':>11} {'speed-up':>8} "
           f"{'action DP ms':>12} {'action ours ms':>14} {'speed-up':>8} {'fwd floor ms':>12}", flush=True)
     rows = []
@@ -123,7 +131,7 @@ def main():
                 row = dict(unet=unet_name, dtype=dtype_name, batch=batch, forward_plain_ms=forward_plain,
                            forward_ours_ms=forward_ours, action_plain_ms=action_plain,
                            action_ours_ms=action_ours, forward_floor_ms=floor, steps=args.steps,
-                           threads=torch.get_num_threads(), torch=torch.__version__)
+                           threads=torch.get_num_threads(), torch=torch.__version__, cpu_conv=args.cpu_conv)
                 rows.append(row)
                 print(f"{unet_name:7} {dtype_name:9} {batch:3} {forward_plain:12.1f} {forward_ours:11.1f} "
                       f"{forward_plain / forward_ours:7.2f}x {action_plain:12.1f} {action_ours:14.1f} "

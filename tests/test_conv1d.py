@@ -95,6 +95,25 @@ def test_matches_float64_reference(shape, dtype, device):
     check(shape, dtype, device)
 
 
+# The CPU's two conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing),
+# on every non-transposed shape: strides, paddings, kernel sizes 1-7, odd batches.
+CPU_ROUTE_SHAPES = [s for s in UNET_SHAPES + ODD_SHAPES + BATCH64_SHAPES if not s[7]]
+
+
+@pytest.mark.parametrize("route", ["aten", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_both_cpu_routes(route, dtype):
+    with kernel_config(cpu_conv=route):
+        for seed, shape in enumerate(CPU_ROUTE_SHAPES):
+            check(shape, dtype, "cpu", seed=seed, with_residual=seed % 2 == 0, taps_major=seed % 3 == 1)
+        # No bias, and an input read through strides (a slice of a wider tensor).
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(3, 12, 9, generator=g).to(dtype)[:, ::2]
+        w = (torch.randn(8, 6, 3, generator=g) / 4).to(dtype)
+        out = ops.conv1d(x, w, None, 2, 1, transposed=False)
+        torch.testing.assert_close(out.double(), reference(x, w, None, 2, 1, False), **TOLERANCES[dtype])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", BATCH64_SHAPES, ids=str)

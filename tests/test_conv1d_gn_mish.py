@@ -181,6 +181,24 @@ def test_film_and_residual_epilogue(shape, film_layout, dtype, device):
                                    **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("route", ["aten", "gemm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_both_cpu_routes(route, dtype):
+    """The CPU's two conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by
+    timing), on the U-Nets' shapes and odd ones, with FiLM and a residual."""
+    g = torch.Generator().manual_seed(11)
+    with kernel_config(cpu_conv=route):
+        for i, shape in enumerate(UNET_SHAPES + ODD_SHAPES):
+            x, w, b, gamma, beta = make_inputs(shape, dtype, "cpu", g)
+            film, residual = film_and_residual(shape, dtype, "cpu", g, FILM_LAYOUTS[i % len(FILM_LAYOUTS)])
+            batch, _, cout, length, _, groups = shape
+            poison_allocator("cpu", batch * cout * length, dtype)
+            out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, film=film, residual=residual)
+            assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+            torch.testing.assert_close(out.double(), reference(x, w, b, gamma, beta, groups, film, residual),
+                                       **TOLERANCES[dtype])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_counters_are_left_zero_and_reusable(device):
     g = torch.Generator().manual_seed(7)

@@ -25,6 +25,8 @@ def test_defaults_and_package_exports():
     ("clusters", 1, TypeError, "KernelConfig.clusters must be a bool, got 1"),
     ("pdl", "no", TypeError, "KernelConfig.pdl must be a bool, got 'no'"),
     ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
+    ("cpu_conv", "fast", ValueError, "KernelConfig.cpu_conv must be one of ['auto', 'aten', 'gemm'], got 'fast'"),
+    ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
 ])
 def test_bad_values_name_the_field(field, value, error, text):
     with pytest.raises(error, match=text.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(")
@@ -104,6 +106,23 @@ def test_the_ops_read_the_threads_config():
     assert "im2col" not in kernels()
 
 
+def test_cpu_conv_auto_keeps_the_route_it_timed():
+    """cpu_conv 'auto' times both CPU routes at a shape's first call and keeps the faster: its
+    outputs are those of one forced route, bit for bit, at every later call."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 96, 4, generator=g), torch.randn(128, 96, 5, generator=g)
+    forced = {}
+    for route in ("aten", "gemm"):
+        with kernel_config(cpu_conv=route):
+            forced[route] = ops.conv1d(x, w, None, 1, 2)
+    if torch.equal(forced["aten"], forced["gemm"]):
+        pytest.skip("this CPU's two routes round alike here: which one 'auto' kept cannot be told")
+    first = ops.conv1d(x, w, None, 1, 2)
+    assert any(torch.equal(first, out) for out in forced.values())
+    for _ in range(3):
+        assert torch.equal(ops.conv1d(x, w, None, 1, 2), first)
+
+
 def test_explain_names_every_conv_and_its_route():
     torch.manual_seed(0)
     unet = ConditionalUnet1D(2, global_cond_dim=8, down_dims=[32, 64, 128], kernel_size=5)
@@ -119,7 +138,10 @@ def test_explain_names_every_conv_and_its_route():
     assert any("taps-major" in r.route for r in block_convs)
     with kernel_config(gemm_min_positions=1 << 40):
         assert all(r.route.startswith("streaming") for r in explain(unet, 64, 16, device="cuda"))
-    assert {r.route for r in explain(unet, 3, 16, device="cpu")} == {"CPU"}
+    cpu = explain(unet, 3, 16, device="cpu")
+    assert {r.route for r in cpu} == {"CPU"} and any("whichever was faster" in r.why for r in cpu)
+    with kernel_config(cpu_conv="gemm"):
+        assert all("GEMM" in r.why or "transposed" in r.why for r in explain(unet, 3, 16, device="cpu"))
     # A half-precision model's shapes are found with inputs of its dtype.
     assert explain(unet.to(torch.bfloat16), 64, 16, device="cuda") == routes
     with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):

@@ -9,6 +9,10 @@
 
 namespace dpa {
 
+// How the CPU ops run a (non-transposed) convolution: timed on first use of each shape, or
+// fixed (conv1d/cpu/conv_route_cpu.h).
+enum class CpuConv : int { kAuto = 0, kAten = 1, kGemm = 2 };
+
 struct KernelConfig {
   // batch x length from which a conv takes the im2col + cuBLAS route instead of streaming
   // its weights (a taps-major weight takes that route at any size).
@@ -23,6 +27,7 @@ struct KernelConfig {
   bool pdl;
   // Streamed weights loaded with an evict-first L2 policy.
   bool weights_evict_first;
+  CpuConv cpu_conv;
 };
 
 // The calling thread's configuration: its override if it has one, else the process

@@ -9,7 +9,9 @@
 #     (OLD=build/old_src/csrc);
 #   - that version's built extension library (build_offline.sh in a checkout of it, copied to
 #     e.g. build/old_C.so): nothing is built, the two libraries take turns, and the working
-#     tree's own must be in place;
+#     tree's own must be in place; only for a version whose library takes the working tree's
+#     set_kernel_config arguments (KernelConfig's fields; cpu_conv was added after 90b42c0),
+#     else the whole package, below;
 #   - a folder holding that version's whole `diffusion_policy_accelerated` package (its Python
 #     and its built library), for a change in the Python and the ops' schemas as well:
 #       mkdir -p build/old_tree && git archive OLD_COMMIT diffusion_policy_accelerated | tar -x -C build/old_tree

@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "conv1d/conv1d.h"
+#include "conv1d/cpu/conv_route_cpu.h"
 #include "conv1d/cpu/epilogue_cpu.h"
 
 namespace dpa {
@@ -21,12 +22,13 @@ std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
   return t->to(at::kFloat).contiguous();
 }
 
-// The convolutions are ATen's (oneDNN or BLAS), in the input's dtype: the conv plain PyTorch
-// runs, so these ops are never slower than it there (oneDNN accumulates in fp32 and rounds its
-// output once to the dtype). Upcasting half-precision inputs first converted every weight on
-// every call, which made bf16 slower than plain PyTorch. What follows the conv is fused in one
-// vectorised pass per (batch row, group) (epilogue_cpu.h), faster than ATen's GroupNorm, Mish
-// and elementwise kernels one after the other.
+// The convolutions run in the input's dtype, as ATen's conv (the one plain PyTorch runs) or
+// as one GEMM, whichever was faster when the shape was first timed on this CPU
+// (conv_route_cpu.h). Both accumulate in fp32 and round the output once to the dtype; upcasting
+// half-precision inputs first converted every weight on every call, which made bf16 slower
+// than plain PyTorch. What follows the conv is fused in one vectorised pass per (batch row,
+// group) (epilogue_cpu.h), faster than ATen's GroupNorm, Mish and elementwise kernels one
+// after the other.
 at::Tensor conv1d_gn_mish_cpu(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& gn_weight,
@@ -36,7 +38,7 @@ at::Tensor conv1d_gn_mish_cpu(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& counters) {
   const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias,
                                                   num_groups, eps, film, residual, counters);
-  const at::Tensor pre = at::conv1d(x, weight, bias, 1, p.padding).to(at::kFloat).contiguous();
+  const at::Tensor pre = cpu::conv1d(x, weight, bias, 1, p.padding).to(at::kFloat).contiguous();
   const at::Tensor gamma = gn_weight.has_value() ? gn_weight->to(at::kFloat).contiguous()
                                                  : at::ones({p.out_channels}, pre.options());
   const at::Tensor beta = gn_bias.has_value() ? gn_bias->to(at::kFloat).contiguous()
@@ -98,7 +100,7 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
   const ConvProblem p =
       check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
   at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
-                              : at::conv1d(x, weight, bias, stride, padding);
+                              : cpu::conv1d(x, weight, bias, stride, padding);
   TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
   if (residual.has_value()) out.add_(*residual);
   return out.contiguous();

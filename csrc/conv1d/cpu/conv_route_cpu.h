@@ -1,0 +1,28 @@
+// The CPU conv ops' convolution (not transposed): ATen's (oneDNN), or im2col + one GEMM.
+//
+// oneDNN's direct conv is far from the weights' bandwidth at the U-Nets' few positions, and
+// its speed varies by shape without a pattern a rule could follow: on a 2-core AMD EPYC (Zen
+// 4, torch 2.11) the GEMM (cols [B * L_out, C_in * K] times the weight [C_in * K, C_out], MKL
+// or oneDNN's matmul) took 1.6-2.8x less time than ATen's conv at batch 1 from 512 input
+// channels in fp32, and 1.0-9.7x less in bf16 (2048->2048 over 4 positions: 20.9 against
+// 2.2 ms), but 1.2-2.2x more on the first layers at 16 positions and on most layers at batch
+// 64. Other CPUs (AVX2, AMX, Arm) choose differently again. So with KernelConfig.cpu_conv
+// "auto" the first call of each (shape, dtype, threads) times both routes on its own inputs and
+// keeps the faster one for the process, as cuDNN's benchmark mode does; "aten" and "gemm" fix
+// the route (the two round differently, by ~1e-6 in fp32).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace dpa {
+namespace cpu {
+
+// x [B, C_in, L] conv weight [C_out, C_in, K] (+ bias) with stride and symmetric zero padding:
+// [B, C_out, L_out], in x's dtype; not necessarily contiguous.
+at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  int64_t stride, int64_t padding);
+
+}  // namespace cpu
+}  // namespace dpa
