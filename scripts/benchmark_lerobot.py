@@ -101,9 +101,10 @@ def main(argv=None):
             eager = make_policy(horizon, scheduler, steps, args.down_dims, device)
             policies = {"LeRobot eager": eager}
             if args.compile:
-                compiled = make_policy(horizon, scheduler, steps, args.down_dims, device, compile_model=True)
-                compiled.load_state_dict(eager.state_dict())
-                policies["LeRobot compile"] = compiled
+                # The same seed, so the same weights (its state_dict's U-Net keys have torch.compile's
+                # `_orig_mod.`, so eager's would not load into it).
+                policies["LeRobot compile"] = make_policy(horizon, scheduler, steps, args.down_dims, device,
+                                                          compile_model=True)
             policies["ours fp32"] = accelerate(copy.deepcopy(eager))
             policies["ours bf16"] = accelerate(copy.deepcopy(eager), dtype=torch.bfloat16)
             for batch in args.batch:

@@ -284,9 +284,7 @@ def test_weight_updates_are_followed():
                                    other.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
 
 
-def test_benchmark_script_on_cpu(tmp_path, capsys, monkeypatch):
-    """scripts/benchmark_lerobot.py end to end with a small U-Net: every method's row, ours
-    equal to LeRobot's eager actions on the same noise (DDIM), the JSON and the plot."""
+def _benchmark_script():
     import importlib.util
     from pathlib import Path
 
@@ -294,6 +292,13 @@ def test_benchmark_script_on_cpu(tmp_path, capsys, monkeypatch):
     spec = importlib.util.spec_from_file_location("dpa_benchmark_lerobot", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_benchmark_script_on_cpu(tmp_path, capsys):
+    """scripts/benchmark_lerobot.py end to end with a small U-Net: every method's row, ours
+    equal to LeRobot's eager actions on the same noise (DDIM), the JSON and the plot."""
+    script = _benchmark_script()
     rows = script.main(["--device", "cpu", "--down-dims", "16", "32", "64", "--horizon", "16", "--batch", "1", "3",
                         "--schedule", "DDIM", "--steps", "2", "--reps", "1", "--out", str(tmp_path)])
     assert [(r["batch"], r["method"]) for r in rows] == [(b, m) for b in (1, 3)
@@ -310,3 +315,13 @@ def test_benchmark_script_on_cpu(tmp_path, capsys, monkeypatch):
     for bad in (["--batch", "0"], ["--steps", "0"], ["--down-dims", "0"]):
         with pytest.raises(SystemExit):
             script.main(["--device", "cpu", *bad])
+
+
+def test_benchmark_script_compile_row(tmp_path):
+    """--compile: LeRobot's compile_model=True policy, with the eager policy's weights (the
+    same actions on the same noise)."""
+    rows = _benchmark_script().main(["--device", "cpu", "--down-dims", "16", "32", "--horizon", "8", "--batch", "1",
+                                     "--schedule", "DDIM", "--steps", "2", "--reps", "1", "--compile",
+                                     "--out", str(tmp_path)])
+    compiled = [r for r in rows if r["method"] == "LeRobot compile"]
+    assert len(compiled) == 1 and compiled[0]["action_error_vs_eager"] < 1e-4
