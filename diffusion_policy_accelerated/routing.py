@@ -41,6 +41,8 @@ __all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major
 
 # KernelConfig.cpu_conv's values, in the extension's order (csrc/common/kernel_config.h).
 CPU_CONV_ROUTES = ("auto", "aten", "gemm")
+# The fields that take one of a few values.
+_CHOICES = {"cpu_conv": CPU_CONV_ROUTES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +93,9 @@ class KernelConfig:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type in (str, "str"):
-                if value not in CPU_CONV_ROUTES:
-                    raise ValueError(f"KernelConfig.{field.name} must be one of {list(CPU_CONV_ROUTES)}, "
+            if field.name in _CHOICES:
+                if value not in _CHOICES[field.name]:
+                    raise ValueError(f"KernelConfig.{field.name} must be one of {list(_CHOICES[field.name])}, "
                                      f"got {value!r}")
             elif field.type in (bool, "bool"):
                 if not isinstance(value, bool):
