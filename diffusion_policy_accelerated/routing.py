@@ -55,6 +55,16 @@ class KernelConfig:
     # length 4) and streaming up to 1.4x faster on small ones (batch 2, length 16); below 32
     # streaming won everywhere against im2col's GEMM.
     gemm_min_positions: int = 32
+    # ... and below it, from gemm_min_work_positions on, a conv whose multiply-adds (weight
+    # elements x batch x length) reach gemm_min_work. At 16 positions the streaming kernels are
+    # compute-bound on wide layers (fp32, LeRobot's U-Net at horizon 64: 77-109 µs per
+    # 2048->2048 k5 conv, 28 µs of weight reads). Streaming against im2col + GEMM, fp32 at 16
+    # positions (bench_conv_blocks.py --sweep-paths): 1024->2048 (168M) 57.3 / 41.9 µs,
+    # 2048->2048 (335M) 91.1 / 66.7, but 4096->1024 (335M) 83.6 / 87.7; at 84M (1024->1024,
+    # 2048->512) streaming was as fast or faster (26.3 / 35.9). From 2^27 LeRobot's default
+    # action at horizon 64, batch 1, DDPM-100 took 116 against 137 ms in fp32 (at 2^26).
+    gemm_min_work: int = 1 << 27
+    gemm_min_work_positions: int = 16
     # On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream beside the
     # first conv's GEMM. In half precision, and in fp32 below 256 positions, that took 0.9-12 µs
     # off 25 of the 30 U-Net blocks measured, left 4 within 0.2 µs and lengthened one by
@@ -89,10 +99,17 @@ class KernelConfig:
     # batch 1, and ATen's conv up to 2.2x less on others); "aten" / "gemm" fix the route
     # (reproducible bits, or a measurement).
     cpu_conv: str = "auto"
+    # CUDA: the SMs the launch plans fill (None: the device's). A process given fewer SMs than
+    # the device has (a CUDA green context, an MPS client's share) sets it; planned for the
+    # whole GPU, its split-K waves would queue behind one another. Also measures a smaller GPU
+    # on a large one (scripts/benchmark_sm_budget.py). Larger than the device's: the device's.
+    sm_count: Optional[int] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name == "sm_count" and value is None:
+                continue
             if field.name in _CHOICES:
                 if value not in _CHOICES[field.name]:
                     raise ValueError(f"KernelConfig.{field.name} must be one of {list(_CHOICES[field.name])}, "
@@ -120,10 +137,11 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
     if config is None:
         extension.clear_thread_kernel_config()
         return
-    extension.set_kernel_config(config.gemm_min_positions, config.side_stream_fp32_max_positions,
+    extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
+                                config.side_stream_fp32_max_positions,
                                 config.side_stream, config.clusters, config.pdl,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
-                                process_default)
+                                config.sm_count or 0, process_default)
 
 
 def install_default(extension) -> None:
@@ -161,8 +179,15 @@ def kernel_config(config: Optional[KernelConfig] = None, **changes) -> Iterator[
 # whole-block ops. Each rule is a function of the conv and the input's batch, length and
 # dtype, so that explain() answers for shapes nothing has run at.
 
-def _on_gemm_route(batch: int, length: int, config: KernelConfig) -> bool:
-    return batch * length >= config.gemm_min_positions
+def _work(conv: nn.Module, positions: int) -> int:
+    """A conv's multiply-adds over `positions`: its weight's elements times the positions."""
+    return conv.in_channels * conv.out_channels * conv.kernel_size[0] * positions
+
+
+def _gemm_by_size(conv: nn.Module, positions: int, config: KernelConfig) -> bool:
+    """The ops' own rule for a contiguous weight (csrc/conv1d/cuda/gemm_route.h)."""
+    return positions >= config.gemm_min_positions or (
+        positions >= config.gemm_min_work_positions and _work(conv, positions) >= config.gemm_min_work)
 
 
 def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
@@ -170,20 +195,21 @@ def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtyp
             or conv.in_channels < config.taps_major_min_in_channels):
         return False
     positions = batch * length
-    return _on_gemm_route(batch, length, config) or (
+    return _gemm_by_size(conv, positions, config) or (
         positions >= (8 if batch >= 2 else 16)
         and conv.in_channels * conv.out_channels * positions >= config.taps_major_min_work)
 
 
 def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
                    config: KernelConfig) -> bool:
-    return _on_gemm_route(batch, length, config) or (_taps_major_pays(first, batch, length, dtype, config)
-                                                     and _taps_major_pays(second, batch, length, dtype, config))
+    return all(_gemm_by_size(conv, batch * length, config) or _taps_major_pays(conv, batch, length, dtype, config)
+               for conv in (first, second))
 
 
-def on_gemm_route(x: torch.Tensor) -> bool:
-    """Whether a conv of x that keeps its length takes the CUDA ops' im2col + cuBLAS route."""
-    return x.is_cuda and _on_gemm_route(x.shape[0], x.shape[2], current_kernel_config())
+def on_gemm_route(conv: nn.Conv1d, x: torch.Tensor) -> bool:
+    """Whether `conv` (contiguous weight, keeping x's length) over x takes the CUDA ops' im2col +
+    cuBLAS route."""
+    return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], current_kernel_config())
 
 
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
@@ -241,34 +267,47 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
     positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)
     taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config)
-    layout = ", taps-major" if taps else ""
+    sized = conv  # the conv whose size decides the route
     paired = False
     if block is not None:
         first, second = block.blocks[0].block[0], block.blocks[1].block[0]
+        # A block with a shortcut runs its first conv and the shortcut as one
+        # conv1d_gn_mish_shortcut, on the first conv's route, with the contiguous weight.
+        paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)
         if _block_op_pays(first, second, batch, length, dtype, config):
             group = first.out_channels // block.blocks[0].block[1].num_groups * length
+            layout = ", taps-major" if taps else ""
             if group <= _BLOCK_OP_MAX_GROUP:
                 return ConvRoute(name, described, "GEMM, block op" + layout,
                                  "its residual block runs as one op on the GEMM route")
+            why = _gemm_reason(first if conv is block.residual_conv else conv, positions, taps, config)
             return ConvRoute(name, described, "GEMM" + layout,
-                             f"its residual block's op runs per conv: a GroupNorm group of {group} elements "
-                             f"is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
-        # Otherwise a block with a shortcut runs its first conv and the shortcut as one
-        # conv1d_gn_mish_shortcut, which takes the contiguous weight.
-        paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)
+                             f"{why}; its residual block's op runs per conv: a GroupNorm group of {group} "
+                             f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
         taps = taps and not paired
-        layout = ", taps-major" if taps else ""
-    if positions >= config.gemm_min_positions:
-        return ConvRoute(name, described, "GEMM" + layout,
-                         f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}")
-    if taps:
-        return ConvRoute(name, described, "GEMM, taps-major",
-                         f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
-                         f">= {config.taps_major_min_work}")
+        sized = first if paired else conv
+    why = _gemm_reason(sized, positions, taps, config)
+    if why is not None:
+        return ConvRoute(name, described, "GEMM, taps-major" if taps else "GEMM",
+                         why + ("; with the block's first conv, in one op" if paired else ""))
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
     return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
-                     f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}; {plan}"
+                     f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}, multiply-adds "
+                     f"{_work(sized, positions)} < gemm_min_work {config.gemm_min_work}; {plan}"
                      + ("; the block's first conv and shortcut in one launch" if paired else ""))
+
+
+def _gemm_reason(conv: nn.Module, positions: int, taps: bool, config: KernelConfig) -> Optional[str]:
+    """Why `conv` over `positions` takes the GEMM route (None: it streams)."""
+    if positions >= config.gemm_min_positions:
+        return f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}"
+    if _gemm_by_size(conv, positions, config):
+        return (f"batch x length {positions} >= gemm_min_work_positions {config.gemm_min_work_positions} and "
+                f"multiply-adds {_work(conv, positions)} >= gemm_min_work {config.gemm_min_work}")
+    if taps:
+        return (f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
+                f">= {config.taps_major_min_work}: a taps-major weight")
+    return None
 
 
 def explain(unet, batch: int, horizon: int, dtype: Optional[torch.dtype] = None,

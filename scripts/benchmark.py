@@ -12,7 +12,7 @@ device-to-device copy bandwidth measured in the same run. Medians of CUDA-event 
 warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
     python scripts/benchmark.py [--unet lowdim image lerobot] [--batch 1 8 64] [--horizon 16] [--compile]
-                                [--out DIR] [--ours-only] [--gemm-min-positions N]
+                                [--out DIR] [--ours-only] [--gemm-min-positions N] [--gemm-min-work N]
                                 [--taps-major-min-work N]
 
 --ours-only skips the baselines (a quick A/B of our variants).
@@ -80,11 +80,15 @@ def main():
     parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
     parser.add_argument("--gemm-min-positions", type=int,
                         help="run ours with this KernelConfig.gemm_min_positions (to measure a crossover)")
+    parser.add_argument("--gemm-min-work", type=int,
+                        help="run ours with this KernelConfig.gemm_min_work (2**62: no GEMMs below "
+                             "gemm_min_positions by work)")
     parser.add_argument("--taps-major-min-work", type=int,
                         help="run ours with this KernelConfig.taps_major_min_work (2**62: no taps-major "
                              "GEMMs below gemm_min_positions)")
     args = parser.parse_args()
     changes = {name: value for name, value in (("gemm_min_positions", args.gemm_min_positions),
+                                                ("gemm_min_work", args.gemm_min_work),
                                                 ("taps_major_min_work", args.taps_major_min_work))
                if value is not None}
     with kernel_config(**changes):

@@ -235,7 +235,7 @@ def test_mixed_devices_raise(name):
 def test_both_cuda_routes(route, threshold, dtype, with_residual):
     """The op picks its CUDA route by batch * length; each route must be right on every shape
     (ODD_SHAPES: strides past the kernel size, taps that land on no output, length 1)."""
-    with kernel_config(gemm_min_positions=threshold):
+    with kernel_config(gemm_min_positions=threshold, gemm_min_work=threshold):
         for shape in [(1, 256, 256, 16, 3, 2, 1, False), (3, 7, 6, 3, 4, 2, 1, True),
                       (8, 64, 96, 4, 1, 1, 0, False), (2, 9, 24, 5, 5, 3, 2, True),
                       (2, 9, 24, 5, 2, 3, 0, True)] + ODD_SHAPES:

@@ -123,7 +123,8 @@ def test_taps_major_keeps_shape_and_values():
     assert t.shape == w.shape and t.stride() == (12, 1, 4) and torch.equal(t, w)
 
 
-@pytest.mark.parametrize("weight", [torch.randn(6, 4), torch.randn(2, 6, 4, 3), [[1.0]]], ids=str)
+@pytest.mark.parametrize("weight", [torch.randn(6, 4), torch.randn(2, 6, 4, 3), [[1.0]]],
+                         ids=["2-d", "4-d", "a list"])
 def test_taps_major_rejects_what_is_no_conv1d_weight(weight):
     with pytest.raises(ValueError, match=r"taps_major: weight must be a Conv1d weight \[C_out, C_in, K\]"):
         ops.taps_major(weight)
@@ -294,7 +295,7 @@ def test_both_cuda_routes(route, threshold, dtype):
     """The op picks its CUDA route by batch * length; each route must be right on every shape
     (the GEMM route's epilogue holds a group of up to 1024 elements in registers; 8 x 200 is
     past that)."""
-    with kernel_config(gemm_min_positions=threshold):
+    with kernel_config(gemm_min_positions=threshold, gemm_min_work=threshold):
         g = torch.Generator().manual_seed(8)
         for shape in [(1, 2, 256, 16, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
                       (5, 33, 40, 17, 7, 5), (2, 9, 24, 1, 5, 24), (2, 8, 16, 200, 3, 2)]:
@@ -413,6 +414,51 @@ def test_launch_trace(clusters):
         ops._C.start_launch_trace(torch.zeros(8, 9, device="cuda"))
     with pytest.raises(ValueError, match=r"\[rows, 9\]"):
         ops._C.start_launch_trace(torch.zeros(8, 5, dtype=torch.int64, device="cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
+def test_sm_count_sizes_the_waves(clusters):
+    """KernelConfig.sm_count: the launch plans fill that many SMs, not the device's. A split-K
+    launch of the U-Net's 256-channel length-16 layer then has at most two blocks per SM of the
+    budget (fewer blocks than on the whole GPU), and every route stays exact on odd budgets:
+    streaming GroupNorm convs (split-K or clusters, whose residency is scaled to the budget),
+    the GEMM route's sliced GroupNorm epilogue, whose slices fill the budget."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x, w, b, gamma, beta = make_inputs((1, 256, 256, 16, 5, 8), torch.float32, "cuda", torch.Generator().manual_seed(11))
+
+    def traced_blocks():
+        buffer = torch.zeros(4096, 9, dtype=torch.int64, device="cuda")
+        ops._C.start_launch_trace(buffer)
+        try:
+            ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)
+        finally:
+            blocks = ops._C.stop_launch_trace()
+        torch.cuda.synchronize()
+        return blocks[0]
+
+    with kernel_config(clusters=False):
+        whole = traced_blocks()
+        with kernel_config(sm_count=8):
+            assert traced_blocks() <= 2 * 8 < whole
+        with kernel_config(sm_count=10 * sms):
+            assert traced_blocks() == whole, "a budget above the device's is the device's"
+    g = torch.Generator().manual_seed(12)
+    for budget in (2, 7, 33):
+        with kernel_config(sm_count=budget, clusters=clusters):
+            for shape in [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (3, 9, 24, 5, 5, 24)]:
+                x, w, b, gamma, beta = make_inputs(shape, torch.float32, "cuda", g)
+                film, residual = film_and_residual(shape, torch.float32, "cuda", g, "scale+bias")
+                out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
+                torch.testing.assert_close(out.cpu().double(),
+                                           reference(x, w, b, gamma, beta, shape[5], film, residual),
+                                           **TOLERANCES[torch.float32])
+            shape = (1, 8, 256, 1100, 3, 1)  # one group of 281600 elements: sliced over the budget
+            x, w, b, gamma, beta = make_inputs(shape, torch.bfloat16, "cuda", g)
+            with kernel_config(gemm_min_positions=1):
+                out = ops.conv1d_gn_mish(x, w, b, gamma, beta, 1)
+            torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, 1, None, None),
+                                       **TOLERANCES[torch.bfloat16])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -180,7 +180,7 @@ def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
 def test_both_cuda_routes(route, threshold, dtype):
     """The GEMM route's shortcut reads the first conv's centre-tap columns in place: an odd
     number of positions puts them at an offset no multiple of 16 bytes."""
-    with kernel_config(gemm_min_positions=threshold):
+    with kernel_config(gemm_min_positions=threshold, gemm_min_work=threshold):
         for shape in [(1, 256, 512, 8, 5, 8), (3, 7, 6, 3, 3, 3), (64, 64, 96, 4, 5, 8),
                       (5, 33, 40, 7, 7, 5), (2, 9, 24, 1, 1, 24)]:
             for channels in (None, 3):

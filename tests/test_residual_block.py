@@ -268,7 +268,7 @@ def test_channels_last_input_is_read_in_place(dtype):
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 def test_cuda_graph_replay(route, threshold):
     """Captured and replayed with new inputs copied in, as GraphedSampler does."""
-    with kernel_config(gemm_min_positions=threshold):
+    with kernel_config(gemm_min_positions=threshold, gemm_min_work=threshold):
         g = torch.Generator().manual_seed(9)
         args = make_block((4, 64, 128, 8, 5, 8), torch.float32, "cuda", g)
         ops.residual_block(**args)  # warm-up: workspaces and cuBLAS handles outside the capture

@@ -27,6 +27,10 @@ def test_defaults_and_package_exports():
     ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
     ("cpu_conv", "fast", ValueError, "KernelConfig.cpu_conv must be one of ['auto', 'aten', 'gemm'], got 'fast'"),
     ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
+    ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
+    ("gemm_min_work_positions", "16", TypeError, "KernelConfig.gemm_min_work_positions must be an int"),
+    ("sm_count", 0, ValueError, "KernelConfig.sm_count must be in [1, 2**63), got 0"),
+    ("sm_count", 16.0, TypeError, "KernelConfig.sm_count must be an int, got 16.0"),
 ])
 def test_bad_values_name_the_field(field, value, error, text):
     with pytest.raises(error, match=text.replace("[", r"\[").replace("*", r"\*").replace("(", r"\(")
@@ -136,7 +140,7 @@ def test_explain_names_every_conv_and_its_route():
     block_convs = [r for r in routes if ".blocks." in r.module]
     assert block_convs and all(r.route.startswith("GEMM, block op") for r in block_convs)
     assert any("taps-major" in r.route for r in block_convs)
-    with kernel_config(gemm_min_positions=1 << 40):
+    with kernel_config(gemm_min_positions=1 << 40, gemm_min_work=1 << 40):
         assert all(r.route.startswith("streaming") for r in explain(unet, 64, 16, device="cuda"))
     cpu = explain(unet, 3, 16, device="cpu")
     assert {r.route for r in cpu} == {"CPU"} and any("whichever was faster" in r.why for r in cpu)
@@ -157,12 +161,23 @@ def test_explain_names_every_conv_and_its_route():
     with torch.device("meta"):
         for name in ("lowdim", "image", "lerobot"):
             model = ConditionalUnet1D(**UNETS[name])
-            assert all(r.route.startswith("streaming") or "gemm_min_positions" in r.why
-                       for r in explain(model, 1, 16, dtype=torch.bfloat16, device="cuda")), name
-        deep = {r.module: r for r in explain(ConditionalUnet1D(**UNETS["lerobot"]), 1, 64, dtype=torch.bfloat16,
-                                             device="cuda")}
+            for dtype in (torch.bfloat16, torch.float32):
+                assert all(r.route.startswith("streaming") or "gemm_min_positions" in r.why
+                           for r in explain(model, 1, 16, dtype=dtype, device="cuda")), (name, dtype)
+        lerobot = ConditionalUnet1D(**UNETS["lerobot"])
+        deep = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.bfloat16, device="cuda")}
+        wide = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
+        with kernel_config(gemm_min_work=1 << 62):
+            narrow = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
     assert deep["mid_modules.0.blocks.0.block.0"].route == "GEMM, taps-major"
     assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
+    # In fp32 the 2048-channel convs at 16 positions (2048 x 2048 x 5 x 16 multiply-adds) take
+    # the GEMM route by their work; the 1024-channel ones do not (1024 x 1024 x 5 x 16).
+    for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0"):
+        assert wide[module].route == "GEMM" and "multiply-adds" in wide[module].why, wide[module]
+        assert narrow[module].route.startswith("streaming"), narrow[module]
+    for module in ("up_modules.0.1.blocks.0.block.0", "up_modules.0.2.conv", "down_modules.1.2.conv"):
+        assert wide[module].route.startswith("streaming"), wide[module]
     # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
     long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
     assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why

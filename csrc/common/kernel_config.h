@@ -17,6 +17,10 @@ struct KernelConfig {
   // batch x length from which a conv takes the im2col + cuBLAS route instead of streaming
   // its weights (a taps-major weight takes that route at any size).
   int64_t gemm_min_positions;
+  // ... and below it, from gemm_min_work_positions on, a conv whose multiply-adds (weight
+  // elements x positions) reach gemm_min_work.
+  int64_t gemm_min_work;
+  int64_t gemm_min_work_positions;
   // On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream, in fp32
   // only below this many positions (half precision: always).
   int64_t side_stream_fp32_max_positions;
@@ -28,6 +32,9 @@ struct KernelConfig {
   // Streamed weights loaded with an evict-first L2 policy.
   bool weights_evict_first;
   CpuConv cpu_conv;
+  // SMs the CUDA launch plans fill (0: the device's): a process confined to fewer (a CUDA
+  // green context, an MPS share) sets it, or its waves would be planned for the whole GPU.
+  int64_t sm_count;
 };
 
 // The calling thread's configuration: its override if it has one, else the process

@@ -33,6 +33,14 @@ __device__ __forceinline__ void allow_dependents() {
 }
 #endif
 
+// SMs the launch plans fill: KernelConfig.sm_count where set (at most the device's), else
+// the device's. The planners read this, never multiProcessorCount.
+inline int sm_budget() {
+  const int device = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t budget = kernel_config().sm_count;
+  return budget > 0 && budget < device ? static_cast<int>(budget) : device;
+}
+
 // A launch on the current stream with the attributes it asks for. config.attrs points into
 // the object, so it is not copied.
 class LaunchConfig {

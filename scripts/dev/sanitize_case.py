@@ -5,7 +5,7 @@ transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv strea
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
 the ops (residual blocks included, contiguous and taps-major weights, outputs stored and
-inputs read channels-last, GroupNorm groups held or cut into slices), denoise steps, and a small U-Net's denoising loop (fp32 and
+inputs read channels-last, GroupNorm groups held or cut into slices), launch plans for a budget of a few SMs, denoise steps, and a small U-Net's denoising loop (fp32 and
 bf16, batch 1 and 2)."""
 import torch
 
@@ -115,6 +115,17 @@ def main():
                                             shortcut, None, skip=skip, channels_last=True)
                 out = ops.residual_block(stored, weights[1], None, None, None, weights[1], None, None, None, 2, 1e-5,
                                          None, None)
+                assert torch.isfinite(out).all()
+    # Launch plans for a budget of SMs (KernelConfig.sm_count): few, odd splits and slices.
+    for sm_count, clusters in ((3, True), (7, False)):
+        with kernel_config(sm_count=sm_count, clusters=clusters):
+            for batch, cin, cout, length, k, groups in [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8)]:
+                x = torch.randn(batch, cin, length, device="cuda")
+                w = torch.randn(cout, cin, k, device="cuda")
+                assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, counters=counters)).all()
+            with kernel_config(gemm_min_positions=1):
+                out = ops.conv1d_gn_mish(torch.randn(1, 8, 1100, device="cuda"), torch.randn(256, 8, 3, device="cuda"),
+                                         None, None, None, 1)
                 assert torch.isfinite(out).all()
     assert int(counters.abs().sum()) == 0
     from diffusers import DDPMScheduler

@@ -13,6 +13,7 @@
 
 #include "common/checks.h"
 #include "common/kernel_config.h"
+#include "common/launch.h"
 #include "conv1d/cuda/launch_plan.h"
 
 namespace dpa {
@@ -23,7 +24,9 @@ bool taps_major(const at::Tensor& weight) {
 }
 
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight) {
-  return positions >= kernel_config().gemm_min_positions || taps_major(weight);
+  const KernelConfig& config = kernel_config();
+  return positions >= config.gemm_min_positions || taps_major(weight) ||
+         (positions >= config.gemm_min_work_positions && weight.numel() * positions >= config.gemm_min_work);
 }
 
 GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route) {
@@ -86,7 +89,7 @@ int group_slices(const StreamArgs& a) {
   const int64_t count = static_cast<int64_t>(a.cout / a.groups) * a.lout;
   if (group_held(a.cout / a.groups, a.lout)) return 1;
   const int64_t units = static_cast<int64_t>(a.batch) * a.groups;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_budget();
   const int64_t fewest = ceil_div(count, kHeldPerThread * kThreads), most = ceil_div(count, kThreads);
   return static_cast<int>(std::clamp<int64_t>(ceil_div(sms, units), fewest, most));
 }

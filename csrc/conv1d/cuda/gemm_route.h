@@ -23,9 +23,11 @@ namespace dpa {
 // the streaming kernels would read a contiguous copy made on every call.
 bool taps_major(const at::Tensor& weight);
 
-// Whether a Conv1d (or a GroupNorm conv) with this weight over `positions` (batch x output
-// length) takes the im2col + cuBLAS route: from the kernel configuration's
-// gemm_min_positions on, or with a taps-major weight.
+// Whether a conv (a GroupNorm conv, a transposed conv) with this weight over `positions`
+// (batch x output length; a transposed conv's input length) takes the GEMM route: from the
+// kernel configuration's gemm_min_positions on, from gemm_min_work_positions on where its
+// multiply-adds reach gemm_min_work, or with a taps-major weight (routing.py has the rules'
+// measurements).
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight);
 
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's

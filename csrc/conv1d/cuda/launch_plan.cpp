@@ -49,7 +49,7 @@ void set_kernel_attributes(const void* kernel, int cluster_blocks, size_t shared
 }
 
 int wave_blocks() {
-  return kBlocksPerSm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return kBlocksPerSm * sm_budget();
 }
 
 namespace {
@@ -95,7 +95,9 @@ bool clusters_fit(Kernel kernel, int cluster_blocks, size_t shared_bytes, int cl
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), launch.get()));
     found = resident.emplace(key, n).first;
   }
-  return found->second >= clusters;
+  // The query counts the whole device; on an SM budget, its share.
+  const int device_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<int64_t>(found->second) * sm_budget() / device_sms >= clusters;
 }
 
 // How a cluster streams one unit of a problem: row_tiles x splits blocks (row_tiles: set by

@@ -90,7 +90,7 @@ at::Tensor denoise_step_cuda(const at::Tensor& model_output, const at::Tensor& s
   at::Tensor out = at::empty(s.sizes(), s.options());
   constexpr int kThreads = 256;
   const int64_t numel = s.numel();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_budget();
   const int blocks = static_cast<int>(std::min<int64_t>((numel + kThreads - 1) / kThreads, 8LL * sms));
   const float* row = t.data_ptr<float>() + step * kNumStepColumns;
   DPA_DISPATCH_FLOAT_TYPES(s.scalar_type(), "denoise_step", [&] {
