@@ -3,7 +3,8 @@
 # on the GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the
 # profiler. DPA_STAGES picks stages (default: all, in this order):
 #   tests sanitize blocks demo bench policy lerobot serve profile ncu
-# DPA_TESTS narrows the tests stage to some files; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
+# DPA_TESTS narrows the tests stage to some files, DPA_TEST_WORKERS spreads it over that many
+# pytest-xdist processes; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
 # (seconds) bound those stages, so that a hung kernel leaves its logs behind. Logs, JSON,
 # plots and traces go to $WORK, packed at the end into $OUT/results.tgz. Python packages a
 # machine without network lacks can be brought as wheels in .whl/ (offline_wheels.sh).
@@ -59,8 +60,15 @@ if want tests; then
   # A hung kernel must not take the whole run (and its logs) with it: the suite is
   # stopped after DPA_TESTS_TIMEOUT seconds, and a test still running after 120 s has its
   # Python stack dumped into the log, which names the test that hung.
-  timeout "${DPA_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout=120 \
-    ${DPA_TESTS:-tests} >"$WORK/tests.log" 2>&1 || status=1
+  # DPA_TEST_WORKERS=N: N pytest-xdist processes, each with its share of the cores for its
+  # CPU ops (with a thread per core each, the CPU tests crawl: seen with 8 workers on 16 cores).
+  workers=() threads=()
+  if [[ -n ${DPA_TEST_WORKERS:-} ]]; then
+    workers=(-n "$DPA_TEST_WORKERS")
+    threads=(OMP_NUM_THREADS=$(( $(nproc) / DPA_TEST_WORKERS > 1 ? $(nproc) / DPA_TEST_WORKERS : 1 )))
+  fi
+  env "${threads[@]}" timeout "${DPA_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider \
+    -o faulthandler_timeout=120 "${workers[@]}" ${DPA_TESTS:-tests} >"$WORK/tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR|passed|failed|Timeout|File .*tests/" "$WORK/tests.log" | tail -25
 fi
 
