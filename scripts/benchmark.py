@@ -45,6 +45,18 @@ def dp_loop(unet, scheduler, steps, data, mask, global_cond, generator):
     return trajectory
 
 
+def loop_inputs(unet_name, batch, horizon, steps):
+    """One configuration's seeded inputs on CUDA: the trajectory's data, its mask (nothing
+    conditioned), the global condition, the noise of every step, and the generator they came
+    from (the eager loop draws its noise from it)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    data = torch.randn(batch, horizon, 2, device="cuda", generator=gen)
+    mask = torch.zeros_like(data, dtype=torch.bool)
+    global_cond = torch.randn(batch, UNETS[unet_name]["global_cond_dim"], device="cuda", generator=gen)
+    noise = torch.randn((steps + 1,) + tuple(data.shape), device="cuda", generator=gen)
+    return data, mask, global_cond, noise, gen
+
+
 def graphed_pytorch_loop(unet, schedule, data, mask, global_cond, noise):
     """The loop in pure PyTorch ops (plain U-Net, diffusers' step math) as one CUDA graph."""
     timesteps = schedule.timesteps.to(data.device)
@@ -117,11 +129,7 @@ def run(args):
             schedule = DenoiseSchedule.from_diffusers(scheduler, steps).to("cuda")
             compiled = torch.compile(base, mode="max-autotune") if args.compile and not args.ours_only else None
             for horizon, batch in ((h, b) for h in args.horizon for b in args.batch):
-                gen = torch.Generator("cuda").manual_seed(0)
-                data = torch.randn(batch, horizon, 2, device="cuda", generator=gen)
-                mask = torch.zeros_like(data, dtype=torch.bool)
-                global_cond = torch.randn(batch, UNETS[unet_name]["global_cond_dim"], device="cuda", generator=gen)
-                noise = torch.randn((steps + 1,) + tuple(data.shape), device="cuda", generator=gen)
+                data, mask, global_cond, noise, gen = loop_inputs(unet_name, batch, horizon, steps)
                 methods = {}
                 with torch.inference_mode():
                     base.use_fused_ops = False

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import SCHEDULES, graphed_pytorch_loop  # noqa: E402
+from benchmark import SCHEDULES, graphed_pytorch_loop, loop_inputs  # noqa: E402
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
@@ -98,11 +98,7 @@ def worker(args):
         unet = ConditionalUnet1D(**UNETS[unet_name]).cuda().eval()
         for batch in args.batch:
             print(f"  {got} SMs: {unet_name} batch {batch}", file=sys.stderr, flush=True)
-            gen = torch.Generator("cuda").manual_seed(0)
-            data = torch.randn(batch, HORIZON, 2, device="cuda", generator=gen)
-            mask = torch.zeros_like(data, dtype=torch.bool)
-            cond = torch.randn(batch, UNETS[unet_name]["global_cond_dim"], device="cuda", generator=gen)
-            noise = torch.randn((steps + 1,) + tuple(data.shape), device="cuda", generator=gen)
+            data, mask, cond, noise, _ = loop_inputs(unet_name, batch, HORIZON, steps)
             times = {}
             with torch.inference_mode():
                 unet.use_fused_ops = False
