@@ -122,9 +122,9 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     with x = torch.cat((x, skip), dim=1) when `skip` is given (read in place). Both
     GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
-    (CUDA, batch x length >= KernelConfig.gemm_min_positions), the first conv's epilogue writes
-    the second conv's GEMM operand (its im2col columns, or with a taps-major `weight2`,
-    see `taps_major`, its output channels-last) and the second's epilogue adds the
+    (CUDA, by routing.py's rules: from KernelConfig.gemm_min_positions, or by their work), the
+    first conv's epilogue writes the second conv's GEMM operand (its im2col columns, or with a
+    taps-major `weight2`, see `taps_major`, its output channels-last) and the second's epilogue adds the
     shortcut's GEMM result, saving one launch per block, two with a shortcut; elsewhere the
     op runs the separate ops. `counters`: int32 zeros, at least out_channels of them,
     twice that with a shortcut (see `conv1d`).

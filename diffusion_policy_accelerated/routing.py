@@ -6,12 +6,14 @@ A conv of the U-Net takes one of these routes:
   CPU          ATen's convolution (oneDNN) or im2col + one GEMM, in the input's dtype,
                whichever was faster at the shape's first call (`cpu_conv`), then the fused
                GroupNorm / Mish / FiLM / residual pass.
-  streaming    CUDA, batch x length below `gemm_min_positions`: the weight-streaming kernels,
-               which read every weight once at close to HBM bandwidth (a robot's batch 1). On
-               Hopper a layer runs as thread-block clusters where its plan fits (`clusters`),
-               elsewhere as split-K blocks with a finishing block; csrc/conv1d/cuda/
-               launch_plan.cpp cuts it into blocks from the device's SM count and shared memory.
-  GEMM         CUDA, from `gemm_min_positions` on: im2col + one cuBLAS GEMM + an epilogue
+  streaming    CUDA, batch x length below `gemm_min_positions` (and below `gemm_min_work`
+               multiply-adds): the weight-streaming kernels, which read every weight once at
+               close to HBM bandwidth (a robot's batch 1). On Hopper a layer runs as
+               thread-block clusters where its plan fits (`clusters`), elsewhere as split-K
+               blocks with a finishing block; csrc/conv1d/cuda/launch_plan.cpp cuts it into
+               blocks from the SMs (`sm_count`, else the device's) and shared memory.
+  GEMM         CUDA, from `gemm_min_positions` on, or from `gemm_min_work_positions` where a
+               conv's multiply-adds reach `gemm_min_work`: im2col + one cuBLAS GEMM + an epilogue
                kernel. In half precision a GroupNorm conv's weight may be passed taps-major
                (`taps_major_pays`): the GEMM then multiplies x itself and the epilogue adds up
                the taps, and a taps-major weight takes this route at any size.
@@ -61,8 +63,8 @@ class KernelConfig:
     # 2048->2048 k5 conv, 28 µs of weight reads). Streaming against im2col + GEMM, fp32 at 16
     # positions (bench_conv_blocks.py --sweep-paths): 1024->2048 (168M) 57.3 / 41.9 µs,
     # 2048->2048 (335M) 91.1 / 66.7, but 4096->1024 (335M) 83.6 / 87.7; at 84M (1024->1024,
-    # 2048->512) streaming was as fast or faster (26.3 / 35.9). From 2^27 LeRobot's default
-    # action at horizon 64, batch 1, DDPM-100 took 116 against 137 ms in fp32 (at 2^26).
+    # 2048->512) streaming was as fast or faster (26.3 / 35.9). With 2^27 LeRobot's default
+    # action at horizon 64, batch 1, DDPM-100 took 117.0 against 137.5 ms in fp32.
     gemm_min_work: int = 1 << 27
     gemm_min_work_positions: int = 16
     # On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream beside the
@@ -280,7 +282,10 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
             if group <= _BLOCK_OP_MAX_GROUP:
                 return ConvRoute(name, described, "GEMM, block op" + layout,
                                  "its residual block runs as one op on the GEMM route")
-            why = _gemm_reason(first if conv is block.residual_conv else conv, positions, taps, config)
+            # The shortcut runs on its first conv's route.
+            why = ("as its block's first conv, "
+                   + _gemm_reason(first, positions, _taps_major_pays(first, batch, length, dtype, config), config)
+                   if conv is block.residual_conv else _gemm_reason(conv, positions, taps, config))
             return ConvRoute(name, described, "GEMM" + layout,
                              f"{why}; its residual block's op runs per conv: a GroupNorm group of {group} "
                              f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
@@ -291,9 +296,11 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         return ConvRoute(name, described, "GEMM, taps-major" if taps else "GEMM",
                          why + ("; with the block's first conv, in one op" if paired else ""))
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
+    below = (f"multiply-adds {_work(sized, positions)} < gemm_min_work {config.gemm_min_work}"
+             if positions >= config.gemm_min_work_positions
+             else f"< gemm_min_work_positions {config.gemm_min_work_positions}")
     return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
-                     f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}, multiply-adds "
-                     f"{_work(sized, positions)} < gemm_min_work {config.gemm_min_work}; {plan}"
+                     f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}, {below}; {plan}"
                      + ("; the block's first conv and shortcut in one launch" if paired else ""))
 
 

@@ -15,8 +15,8 @@ Per budget, U-Net and batch, side by side:
   ours unplanned   ours with its launch plans sized for the whole GPU (sm_count unset), to
                    show what the planner's budget buys
 
-and a probe: an fp32 8192^3 matmul graphed, whose time against the whole GPU's shows that the
-context does confine the work (its speed-up falls with the SMs).
+and a probe: an fp32 8192^3 matmul graphed, whose speed against the largest budget's (the whole
+GPU's where it is one) shows that the context does confine the work.
 
     python scripts/benchmark_sm_budget.py [--sms 16 48 108 132] [--unet lowdim image] [--batch 1]
                                           [--schedule DDPM-100] [--out DIR]
@@ -82,7 +82,10 @@ def worker(args):
     if args.worker < device_sms:
         from torch.cuda.green_contexts import GreenContext
 
-        context = GreenContext.create(args.worker, 0)
+        try:
+            context = GreenContext.create(args.worker, 0)
+        except RuntimeError as error:  # e.g. a budget the driver's SM granularity rounds past the device
+            raise SystemExit(f"no green context of {args.worker} SMs on this {device_sms}-SM GPU: {error}")
         context.set_context()
         got = current_context_sms()
         if got is None:
@@ -144,7 +147,7 @@ def main():
         if done.returncode != 0:
             raise SystemExit(f"the {budget}-SM run failed (exit {done.returncode})")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    whole = max(results, key=lambda r: r["sms"])
+    whole = max(results, key=lambda r: r["sms"])  # the probe's reference: the largest budget run
     print(f"{'SMs':>9} {'probe x':>8} {'U-Net':7} {'B':>3} " + " ".join(f"{m:>15}" for m in METHODS)
           + f" {'graph/ours':>10} {'portable/ours':>13}")
     for result in results:

@@ -423,7 +423,8 @@ def test_sm_count_sizes_the_waves(clusters):
     launch of the U-Net's 256-channel length-16 layer then has at most two blocks per SM of the
     budget (fewer blocks than on the whole GPU), and every route stays exact on odd budgets:
     streaming GroupNorm convs (split-K or clusters, whose residency is scaled to the budget),
-    the GEMM route's sliced GroupNorm epilogue, whose slices fill the budget."""
+    the GEMM route's sliced GroupNorm epilogue, whose slices fill the budget (8 groups of 2048
+    elements: 2 to 8 slices each, by the budget)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x, w, b, gamma, beta = make_inputs((1, 256, 256, 16, 5, 8), torch.float32, "cuda", torch.Generator().manual_seed(11))
 
@@ -453,11 +454,11 @@ def test_sm_count_sizes_the_waves(clusters):
                 torch.testing.assert_close(out.cpu().double(),
                                            reference(x, w, b, gamma, beta, shape[5], film, residual),
                                            **TOLERANCES[torch.float32])
-            shape = (1, 8, 256, 1100, 3, 1)  # one group of 281600 elements: sliced over the budget
+            shape = (1, 16, 256, 64, 5, 8)
             x, w, b, gamma, beta = make_inputs(shape, torch.bfloat16, "cuda", g)
             with kernel_config(gemm_min_positions=1):
-                out = ops.conv1d_gn_mish(x, w, b, gamma, beta, 1)
-            torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, 1, None, None),
+                out = ops.conv1d_gn_mish(x, w, b, gamma, beta, 8)
+            torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, 8, None, None),
                                        **TOLERANCES[torch.bfloat16])
 
 

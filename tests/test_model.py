@@ -478,8 +478,8 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
     threshold = current_kernel_config().gemm_min_positions
     # The default U-Net's 12 residual blocks at horizon 16: 2 at length 16 (down), 4 at 8
     # (down, up), 6 at 4 (down, mid, up). Below gemm_min_positions none has the work that
-    # takes a conv to the GEMM route (gemm_min_work; at batch 3 the largest, an up block's
-    # 1024->512 conv over 24 positions, has 63M multiply-adds).
+    # takes a conv to the GEMM route (gemm_min_work: at batch 3 the largest with 16+
+    # positions, an up block's 1024->256 k3 conv over 24, has 19M multiply-adds).
     expected = sum(n for length, n in ((16, 2), (8, 4), (4, 6)) if batch * length >= threshold)
     if dtype != torch.float32 and batch * 4 < threshold:
         # Below it, in half precision, blocks whose two convs both take taps-major weights

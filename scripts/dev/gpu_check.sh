@@ -64,6 +64,7 @@ if want tests; then
   # CPU ops (with a thread per core each, the CPU tests crawl: seen with 8 workers on 16 cores).
   workers=() threads=()
   if [[ -n ${DPA_TEST_WORKERS:-} ]]; then
+    [[ $DPA_TEST_WORKERS =~ ^[1-9][0-9]*$ ]] || { echo "DPA_TEST_WORKERS must be a positive integer"; exit 2; }
     workers=(-n "$DPA_TEST_WORKERS")
     threads=(OMP_NUM_THREADS=$(( $(nproc) / DPA_TEST_WORKERS > 1 ? $(nproc) / DPA_TEST_WORKERS : 1 )))
   fi
