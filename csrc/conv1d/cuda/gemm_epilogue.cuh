@@ -68,6 +68,21 @@ struct TapRowsPre {
   }
 };
 
+// The block's sum of (v - mean)^2 over the first n values it holds (thread t's v[j] is value
+// t + j * kThreads): the second of the two passes the GroupNorm kernels take over held values.
+__device__ __forceinline__ float block_squared_deviations(const float (&v)[kHeldPerThread], float mean, int n,
+                                                          float* scratch) {
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    if (threadIdx.x + j * kThreads < n) {
+      const float d = v[j] - mean;
+      sq += d * d;
+    }
+  }
+  return block_sum(sq, scratch);
+}
+
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
 // pre(c, b * L + l): the pre-activations, read from the GEMM's result (GemmPre,
 // TapRowsPre). A group of up to kHeldPerThread * kThreads elements is held in registers
@@ -102,15 +117,7 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
   for (int j = 0; j < kHeldPerThread; ++j)
     if (threadIdx.x + j * kThreads < count) s += v[j];
   const float mean = block_sum(s, scratch) / count;
-  float sq = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    if (threadIdx.x + j * kThreads < count) {
-      const float d = v[j] - mean;
-      sq += d * d;
-    }
-  }
-  const float rstd = rsqrtf(block_sum(sq, scratch) / count + a.eps);
+  const float rstd = rsqrtf(block_squared_deviations(v, mean, count, scratch) / count + a.eps);
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
     const int i = threadIdx.x + j * kThreads;
@@ -189,15 +196,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const float mean = block_sum(sum, scratch) / n;
-  float sq = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    if (threadIdx.x + j * kThreads < n) {
-      const float d = v[j] - mean;
-      sq += d * d;
-    }
-  }
-  const float m2 = block_sum(sq, scratch);
+  const float m2 = block_squared_deviations(v, mean, n, scratch);
   if (threadIdx.x == 0) s.moments[static_cast<int64_t>(unit) * s.slices + slice] = make_float2(mean, m2);
 }
 
