@@ -117,7 +117,7 @@ def worker(args):
     print(json.dumps(result), flush=True)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 48, 108, 132], help="SM budgets")
     parser.add_argument("--unet", nargs="+", default=["lowdim", "image"], choices=list(UNETS))
@@ -125,7 +125,7 @@ def main():
     parser.add_argument("--schedule", default="DDPM-100", choices=list(SCHEDULES))
     parser.add_argument("--out", default=".", help="folder for sm_budget.json and sm_budget.png")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one budget, in a child process
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name, values in (("--sms", args.sms), ("--batch", args.batch)):
         if any(v < 1 for v in values):
             parser.error(f"{name} takes positive integers, got {values}")

@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -401,3 +402,26 @@ def test_profile_script_on_cpu(tmp_path, capsys, monkeypatch, mode):
 def test_profile_script_rejects(tmp_path, monkeypatch, args):
     with pytest.raises(SystemExit):
         _profile_script(monkeypatch).main(args + ["--device", "cpu", "--out", str(tmp_path)])
+
+
+# --- scripts/benchmark_sm_budget.py: what it refuses --------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--sms", "16", "0"], r"--sms takes positive integers, got \[16, 0\]"),
+    (["--batch", "-1"], r"--batch takes positive integers, got \[-1\]"),
+    (["--unet", "tiny"], "invalid choice: 'tiny'"),
+])
+def test_sm_budget_script_rejects(monkeypatch, capsys, args, message):
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("dpa_sm_budget_script", scripts / "benchmark_sm_budget.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    if not torch.cuda.is_available():  # valid arguments on a machine without a GPU
+        with pytest.raises(SystemExit):
+            module.main([])
+        assert "needs a CUDA GPU" in capsys.readouterr().err
