@@ -79,6 +79,18 @@ class GraphedSampler:
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
         self._inlined = 0
+        self._capture_stream: Optional[torch.cuda.Stream] = None
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The stream this sampler's graphs (and a whole policy call around it) are captured
+        on: its own. torch.cuda.graph's default is one stream for the whole process, and what
+        a library keeps per stream is then the same memory in every graph: cuBLAS's workspace.
+        Two samplers' graphs replayed at once from two threads (a server's two instances) then
+        wrote each other's GEMM workspace and returned wrong actions (test_serving's
+        test_cuda_instances_side_by_side, on an H100)."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(device=self.device)
+        return self._capture_stream
 
     @contextlib.contextmanager
     def inlined(self) -> Iterator[None]:
@@ -223,7 +235,7 @@ class _CapturedLoop:
             sampler._loop(**self.static)
         torch.cuda.current_stream(sampler.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, stream=sampler.capture_stream()):
             self.output = sampler._loop(**self.static)
 
     def replay(self, inputs: Dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
