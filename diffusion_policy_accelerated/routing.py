@@ -94,6 +94,12 @@ class KernelConfig:
     # horizon's deep layers (LeRobot's 2048 channels at length 16 of horizon 64); the
     # horizon-16 U-Nets' batch-1 layers stay below it and stream.
     taps_major_min_work: int = 1 << 23
+    # ... and at batch 1 also from 8 positions where C_in x C_out x positions reaches this:
+    # LeRobot's 1024- to 4096-channel layers at length 8 of horizon 32 (2048->2048 over 8
+    # positions, bf16: streaming 40.4 against 27.3 µs as a taps-major GEMM), whose default
+    # action at horizon 32, batch 1, DDPM-100 took 57.72 / 70.74 / 57.59 ms in bf16 (new /
+    # old / new). The horizon-16 U-Nets' batch-1 layers at length 8 (8.4M at most) stream.
+    taps_major_min_work_batch_1: int = 1 << 24
     # CPU: how the ops run a (non-transposed) conv. "auto": the first call of each shape,
     # dtype and thread count times ATen's conv (oneDNN) against im2col + one GEMM on its own
     # inputs and keeps the faster for the process (csrc/conv1d/cpu/conv_route_cpu.h: no rule
@@ -197,9 +203,11 @@ def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtyp
             or conv.in_channels < config.taps_major_min_in_channels):
         return False
     positions = batch * length
+    work = conv.in_channels * conv.out_channels * positions
+    if batch == 1 and positions >= 8 and work >= config.taps_major_min_work_batch_1:
+        return True
     return _gemm_by_size(conv, positions, config) or (
-        positions >= (8 if batch >= 2 else 16)
-        and conv.in_channels * conv.out_channels * positions >= config.taps_major_min_work)
+        positions >= (8 if batch >= 2 else 16) and work >= config.taps_major_min_work)
 
 
 def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
@@ -313,7 +321,8 @@ def _gemm_reason(conv: nn.Module, positions: int, taps: bool, config: KernelConf
                 f"multiply-adds {_work(conv, positions)} >= gemm_min_work {config.gemm_min_work}")
     if taps:
         return (f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
-                f">= {config.taps_major_min_work}: a taps-major weight")
+                f">= {config.taps_major_min_work} (at batch 1 from 8 positions: "
+                f">= {config.taps_major_min_work_batch_1}): a taps-major weight")
     return None
 
 

@@ -13,7 +13,7 @@ warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
     python scripts/benchmark.py [--unet lowdim image lerobot] [--batch 1 8 64] [--horizon 16] [--compile]
                                 [--out DIR] [--ours-only] [--gemm-min-positions N] [--gemm-min-work N]
-                                [--taps-major-min-work N]
+                                [--taps-major-min-work N] [--taps-major-min-work-batch-1 N]
 
 --ours-only skips the baselines (a quick A/B of our variants).
 """
@@ -98,10 +98,14 @@ def main():
     parser.add_argument("--taps-major-min-work", type=int,
                         help="run ours with this KernelConfig.taps_major_min_work (2**62: no taps-major "
                              "GEMMs below gemm_min_positions)")
+    parser.add_argument("--taps-major-min-work-batch-1", type=int,
+                        help="run ours with this KernelConfig.taps_major_min_work_batch_1 (2**62: no taps-major "
+                             "GEMMs at batch 1 below 16 positions)")
     args = parser.parse_args()
     changes = {name: value for name, value in (("gemm_min_positions", args.gemm_min_positions),
                                                 ("gemm_min_work", args.gemm_min_work),
-                                                ("taps_major_min_work", args.taps_major_min_work))
+                                                ("taps_major_min_work", args.taps_major_min_work),
+                                                ("taps_major_min_work_batch_1", args.taps_major_min_work_batch_1))
                if value is not None}
     with kernel_config(**changes):
         run(args)

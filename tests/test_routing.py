@@ -25,6 +25,7 @@ def test_defaults_and_package_exports():
     ("clusters", 1, TypeError, "KernelConfig.clusters must be a bool, got 1"),
     ("pdl", "no", TypeError, "KernelConfig.pdl must be a bool, got 'no'"),
     ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
+    ("taps_major_min_work_batch_1", 0, ValueError, "KernelConfig.taps_major_min_work_batch_1 must be in [1, 2**63)"),
     ("cpu_conv", "fast", ValueError, "KernelConfig.cpu_conv must be one of ['auto', 'aten', 'gemm'], got 'fast'"),
     ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
     ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
@@ -170,6 +171,17 @@ def test_explain_names_every_conv_and_its_route():
         with kernel_config(gemm_min_work=1 << 62):
             narrow = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
     assert deep["mid_modules.0.blocks.0.block.0"].route == "GEMM, taps-major"
+    # Horizon 32: LeRobot's 2048-channel layers have 8 positions, taps-major GEMMs in half
+    # precision from taps_major_min_work_batch_1 (its 1024->1024 convs there, 2^23, stream).
+    with torch.device("meta"):
+        h32 = {r.module: r for r in explain(lerobot, 1, 32, dtype=torch.bfloat16, device="cuda")}
+        with kernel_config(taps_major_min_work_batch_1=1 << 62):
+            h32_streaming = {r.module: r for r in explain(lerobot, 1, 32, dtype=torch.bfloat16, device="cuda")}
+    for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0",
+                   "down_modules.2.0.blocks.1.block.0"):
+        assert h32[module].route == "GEMM, taps-major" and "from 8 positions" in h32[module].why, h32[module]
+        assert h32_streaming[module].route.startswith("streaming"), h32_streaming[module]
+    assert h32["up_modules.0.1.blocks.0.block.0"].route.startswith("streaming")
     assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
     # In fp32 the 2048-channel convs at 16 positions (2048 x 2048 x 5 x 16 multiply-adds) take
     # the GEMM route by their work; the 1024-channel ones do not (1024 x 1024 x 5 x 16).
