@@ -96,9 +96,10 @@ class KernelConfig:
     taps_major_min_work: int = 1 << 23
     # ... and at batch 1 also from 8 positions where C_in x C_out x positions reaches this:
     # LeRobot's 1024- to 4096-channel layers at length 8 of horizon 32 (2048->2048 over 8
-    # positions, bf16: streaming 40.4 against 27.3 µs as a taps-major GEMM), whose default
-    # action at horizon 32, batch 1, DDPM-100 took 57.72 / 70.74 / 57.59 ms in bf16 (new /
-    # old / new). The horizon-16 U-Nets' batch-1 layers at length 8 (8.4M at most) stream.
+    # positions in bf16, --sweep-paths at batch 2: streaming 40.4, taps-major GEMM 27.3 µs),
+    # whose default action at horizon 32, batch 1, DDPM-100 took 57.72 / 70.74 / 57.59 ms in
+    # bf16 (new / old / new). The horizon-16 U-Nets' batch-1 layers at length 8 (8.4M at
+    # most) stream.
     taps_major_min_work_batch_1: int = 1 << 24
     # CPU: how the ops run a (non-transposed) conv. "auto": the first call of each shape,
     # dtype and thread count times ATen's conv (oneDNN) against im2col + one GEMM on its own

@@ -414,7 +414,8 @@ def test_cuda_instances_side_by_side():
     alone = [[a.act([r])[0][0] for r in batch] for batch in requests]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         # Batches of 8 rows take the GEMM route (cuBLAS, with its workspace); 20 rounds, since
-        # a shared workspace (graphs captured on one stream) showed in some rounds only.
+        # the race this guards against (graphs captured on one stream share that workspace)
+        # showed in some runs only.
         for _ in range(20):
             together = list(pool.map(lambda pair: pair[0].act(pair[1])[0], zip((a, b), requests)))
             for got, expected in zip(together, alone):
