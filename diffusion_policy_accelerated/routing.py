@@ -87,10 +87,10 @@ class KernelConfig:
     # 2 input channels (the U-Nets' first conv) the GEMM over C_in alone was slower (batch 64,
     # bf16: 6.0 against 3.3 µs); from 256 on it was faster for 32 of 36 convs, by up to 43%.
     taps_major_min_in_channels: int = 64
-    # ... and below gemm_min_positions, from 8 positions on at batch 2+ (16 at batch 1) where
-    # C_in x C_out x positions reaches this: layers past it ran faster so than on the streaming
-    # kernels (bf16, batch 4, length 4: lowdim 1024->1024 13.1 against 30.9 µs, image
-    # 2048->2048 27.5 against 91.9), those below it slower. At batch 1 that is a long
+    # ... and below gemm_min_positions, from 8 positions on at batch 2+ (16 at batch 1; 8 with
+    # taps_major_min_work_batch_1) where C_in x C_out x positions reaches this: layers past it
+    # ran faster so than on the streaming kernels (bf16, batch 4, length 4: lowdim 1024->1024
+    # 13.1 against 30.9 µs, image 2048->2048 27.5 against 91.9), those below it slower. At batch 1 that is a long
     # horizon's deep layers (LeRobot's 2048 channels at length 16 of horizon 64); the
     # horizon-16 U-Nets' batch-1 layers stay below it and stream.
     taps_major_min_work: int = 1 << 23
@@ -226,9 +226,9 @@ def on_gemm_route(conv: nn.Conv1d, x: torch.Tensor) -> bool:
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     """Whether conv (stride 1, keeping x's length) is faster over x with a taps-major weight
     on the GEMM route: half precision, a kernel wider than 1, enough input channels, and the
-    GEMM route or, below it, enough work (8+ positions at batch 2+, 16+ at batch 1). In fp32,
-    cuBLAS's GEMMs over C_in (SIMT,
-    no tensor cores) made steps 4-9% slower at batch 64 and the image U-Net's at batch 8."""
+    GEMM route or, below it, enough work (8+ positions at batch 2+; at batch 1 16+, or 8+ with
+    taps_major_min_work_batch_1). In fp32, cuBLAS's GEMMs over C_in (SIMT, no tensor cores)
+    made steps 4-9% slower at batch 64 and the image U-Net's at batch 8."""
     return x.is_cuda and _taps_major_pays(conv, x.shape[0], x.shape[2], conv.weight.dtype, current_kernel_config())
 
 
