@@ -80,6 +80,12 @@ class KernelConfig:
     # Hopper: programmatic dependent launch, each kernel starting while the previous one ends
     # and requesting its weights early; 0.3-3 µs per launch at batch 1.
     pdl: bool = True
+    # The GEMM route's GroupNorm epilogue over groups larger than a block holds (LeRobot's
+    # U-Net at horizon 64: 4096 elements), cut into slices over the SMs, in one cooperative
+    # launch (every block resident; a slice's block waits for its group's other slices'
+    # moments) instead of two (moments stored, then read back to normalise). Any GPU since
+    # Pascal; where the op has no counters, or the blocks are not resident at once, two.
+    cooperative_group_norm: bool = True
     # Streamed weights (each read once per forward) loaded evict-first in L2, keeping the
     # activations, partial sums and code there: 1-4 ms per DDPM-100 action at batch 1.
     weights_evict_first: bool = True
@@ -148,7 +154,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
         return
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
                                 config.side_stream_fp32_max_positions,
-                                config.side_stream, config.clusters, config.pdl,
+                                config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
                                 config.sm_count or 0, process_default)
 

@@ -117,6 +117,36 @@ def test_taps_major_weight(shape, dtype, device):
     check(shape, dtype, device, taps_major=True)
 
 
+# At batch 1 the taps-major GEMM reads x in place where x's [C_in][L] is a matrix with one
+# unit stride (gemm_route.h, tap_rows_view), and copies it otherwise. x's layouts: contiguous,
+# a slice of wider rows, stored channels-last, every other position (no unit stride: copied);
+# a short and a long length, the latter's group past what one block holds.
+def _batch_1_layout(x, layout):
+    if layout == "slice of wider rows":
+        return torch.cat([x, x], dim=2)[:, :, 3:3 + x.shape[2]]
+    if layout == "channels-last":
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "every other position":
+        return torch.stack([x, torch.full_like(x, float("nan"))], dim=3).flatten(2)[:, :, ::2]
+    return x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["contiguous", "slice of wider rows", "channels-last", "every other position"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 96, 64, 20, 5, 8), (1, 64, 512, 64, 5, 8)], ids=str)
+def test_taps_major_reads_x_in_place_at_batch_1(shape, dtype, layout):
+    g = torch.Generator().manual_seed(12)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+    x = _batch_1_layout(x, layout)
+    assert layout == "every other position" or x.stride(1) == 1 or x.stride(2) == 1
+    batch, _, cout, length, _, groups = shape
+    poison_allocator("cuda", batch * cout * length, dtype)
+    out = ops.conv1d_gn_mish(x, ops.taps_major(w), b, gamma, beta, groups)
+    assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+    torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups), **TOLERANCES[dtype])
+
+
 def test_taps_major_keeps_shape_and_values():
     w = torch.randn(6, 4, 3)
     t = ops.taps_major(w)
@@ -310,33 +340,66 @@ def test_both_cuda_routes(route, threshold, dtype):
 
 # The GEMM route's GroupNorm epilogue: one block per (batch row, group) holding a group of up
 # to 1024 elements (channels per group x length) in registers, or larger groups cut into
-# slices over two launches, as many as fill the SMs where batch x groups is small, and as few
-# as hold each slice where it is not. Groups on both sides of the bound, few and many blocks,
-# odd batches, a last slice shorter than the others, a group of more than 256 slices (the
-# merge reads their moments in several rounds), FiLM and a residual, im2col's and taps-major
-# weights.
+# slices, as many as fill the SMs where batch x groups is small, and as few as hold each slice
+# where it is not. Groups on both sides of the bound, few and many blocks, odd batches, a last
+# slice shorter than the others, a group of more than 256 slices (the merge reads their
+# moments in several rounds), FiLM and a residual, im2col's and taps-major weights. Slices
+# take one cooperative launch where the op has counters (the model's), a counter per batch
+# row and group, and all blocks fit at once (here all but (160, 8, 8, 1025, 5, 1), whose 160
+# units outnumber its 8 counters); else two.
 GROUP_SHAPES = [(1, 64, 512, 16, 5, 8), (3, 32, 520, 16, 5, 8), (1, 64, 2048, 16, 5, 8),
                 (2, 16, 264, 125, 3, 8), (1, 16, 512, 128, 5, 8), (3, 8, 8, 1025, 5, 1),
                 (20, 32, 520, 16, 5, 8), (160, 8, 8, 1025, 5, 1), (1, 8, 256, 1100, 3, 1)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("counters", [False, True], ids=["no-counters", "counters"])
 @pytest.mark.parametrize("taps_major", [False, True], ids=["im2col", "taps-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", GROUP_SHAPES, ids=str)
-def test_gemm_route_group_sizes(shape, dtype, taps_major):
+def test_gemm_route_group_sizes(shape, dtype, taps_major, counters):
     g = torch.Generator().manual_seed(9)
     x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
     film, residual = film_and_residual(shape, dtype, "cuda", g, "slice of a wider row")
     if taps_major:
         w = ops.taps_major(w)
     batch, _, cout, length, _, groups = shape
+    op_counters = torch.zeros(cout, dtype=torch.int32, device="cuda") if counters else None
     with kernel_config(gemm_min_positions=1):
-        poison_allocator("cuda", batch * cout * length, dtype)
-        out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, film=film, residual=residual)
-    assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
-    torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film, residual),
-                               **TOLERANCES[dtype])
+        for _ in range(2):  # the counters are zero again for the second call
+            poison_allocator("cuda", batch * cout * length, dtype)
+            out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, film=film, residual=residual,
+                                     counters=op_counters)
+            assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+            torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups, film, residual),
+                                       **TOLERANCES[dtype])
+    if counters:
+        assert not op_counters.any(), "counters left non-zero"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliced_group_norm_one_launch_is_the_two_launches_bits(dtype):
+    """The one cooperative launch merges the same slice moments in the same order as the two
+    launches (KernelConfig.cooperative_group_norm off): the same bits, at LeRobot's horizon-64
+    group size (8 groups of 4096 elements at batch 1) and at batch 3. The profiler's kernel
+    names say which ran."""
+    g = torch.Generator().manual_seed(10)
+    for shape in [(1, 64, 512, 64, 5, 8), (3, 64, 512, 64, 5, 8)]:
+        x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+        film, residual = film_and_residual(shape, dtype, "cuda", g, "scale+bias")
+        op_counters = torch.zeros(shape[2], dtype=torch.int32, device="cuda")
+        outs, kernels = [], []
+        for cooperative in (True, False):
+            with kernel_config(gemm_min_positions=1, cooperative_group_norm=cooperative), \
+                    torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                outs.append(ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual,
+                                               counters=op_counters))
+                torch.cuda.synchronize()
+            kernels.append(" ".join(event.name for event in prof.events()))
+        assert "group_slices_kernel" in kernels[0] and "group_slice_moments_kernel" not in kernels[0]
+        assert "group_slice_moments_kernel" in kernels[1] and "group_slices_kernel" not in kernels[1]
+        assert torch.equal(outs[0], outs[1])
 
 
 # Streaming-route shapes for the two GroupNorm kernels: U-Net layers (1024->1024 L4 streams

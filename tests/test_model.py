@@ -492,12 +492,17 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
 @needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_blocks_hand_on_channels_last_outputs_where_the_next_reads_them_so(dtype, monkeypatch):
+@pytest.mark.parametrize("batch, horizon, calls, half_channels_last",
+                         [(64, 16, (12, 12), 6), (1, 64, (6, 10), 0)], ids=["b64-T16", "b1-T64"])
+def test_blocks_hand_on_channels_last_outputs_where_the_next_reads_them_so(batch, horizon, calls,
+                                                                           half_channels_last, dtype, monkeypatch):
     """At batch 64 in half precision a residual block whose output only the next block reads,
     and reads in place when it is stored channels-last (reads_channels_last: taps-major
     weights), asks residual_block for that layout: the first block of each down and up level
     and the first mid block, 6 of the default U-Net's 12. In fp32 (contiguous weights) none.
-    That the U-Net's output stays right is the fused-path tests' job (batch 64 above)."""
+    At batch 1 none either: [1][C][L] is the taps-major GEMM's operand as it is, and at horizon
+    64 the blocks that run as the op (calls: fp32, half) would have stored it channels-last by
+    a copy. That the U-Net's output stays right is the fused-path tests' job."""
     ops = model_mod._ops()
     real, layouts = ops.residual_block, []
 
@@ -509,10 +514,10 @@ def test_blocks_hand_on_channels_last_outputs_where_the_next_reads_them_so(dtype
     _, unet = pair("default")
     unet = unet.to("cuda", dtype)
     with torch.no_grad():
-        unet(torch.randn(64, 16, 2, device="cuda", dtype=dtype), 5,
-             global_cond=torch.randn(64, DEFAULT_CFG["global_cond_dim"], device="cuda", dtype=dtype))
-    assert len(layouts) == 12
-    assert sum(layouts) == (0 if dtype == torch.float32 else 6)
+        unet(torch.randn(batch, horizon, 2, device="cuda", dtype=dtype), 5,
+             global_cond=torch.randn(batch, DEFAULT_CFG["global_cond_dim"], device="cuda", dtype=dtype))
+    assert len(layouts) == calls[dtype != torch.float32]
+    assert sum(layouts) == (0 if dtype == torch.float32 else half_channels_last)
 
 
 @needs_cuda

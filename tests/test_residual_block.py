@@ -197,13 +197,16 @@ def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
     """Below KernelConfig.gemm_min_positions contiguous weights stream; taps-major ones (the
-    caller's choice: ConditionalUnet1D's for large layers from batch 2) take the fused GEMM
-    route, one im2col launch."""
-    for shape in [(2, 1024, 1024, 4, 5, 8), (1, 64, 32, 3, 3, 8)]:
+    caller's choice: ConditionalUnet1D's for large layers) take the fused GEMM route: its two
+    GroupNorm epilogues, and one im2col launch at batch 2, none at batch 1, where x's [C][L]
+    is the GEMM's operand as it is."""
+    for shape, im2cols in [((2, 1024, 1024, 4, 5, 8), 1), ((1, 64, 32, 3, 3, 8), 0)]:
         args, _, _ = check(shape, dtype, "cuda", taps_major=True)
-        assert kernel_launches(lambda: ops.residual_block(**args), "im2col_kernel") == 1
+        assert kernel_launches(lambda: ops.residual_block(**args), "im2col_kernel") == im2cols
+        assert kernel_launches(lambda: ops.residual_block(**args), "group_norm_epilogue") == 2
         contiguous = dict(args, weight=args["weight"].contiguous(), weight2=args["weight2"].contiguous())
         assert kernel_launches(lambda: ops.residual_block(**contiguous), "im2col_kernel") == 0
+        assert kernel_launches(lambda: ops.residual_block(**contiguous), "group_norm_epilogue") == 0
 
 
 def stored_channels_last(t):

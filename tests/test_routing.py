@@ -30,6 +30,7 @@ def test_defaults_and_package_exports():
     ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
     ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
     ("gemm_min_work_positions", "16", TypeError, "KernelConfig.gemm_min_work_positions must be an int"),
+    ("cooperative_group_norm", 0, TypeError, "KernelConfig.cooperative_group_norm must be a bool, got 0"),
     ("sm_count", 0, ValueError, "KernelConfig.sm_count must be in [1, 2**63), got 0"),
     ("sm_count", 16.0, TypeError, "KernelConfig.sm_count must be an int, got 16.0"),
 ])

@@ -29,6 +29,8 @@ struct KernelConfig {
   bool clusters;
   // Programmatic dependent launch (Hopper): a kernel starts while the previous one ends.
   bool pdl;
+  // The GEMM route's sliced GroupNorm epilogue in one cooperative launch where it fits.
+  bool cooperative_group_norm;
   // Streamed weights loaded with an evict-first L2 policy.
   bool weights_evict_first;
   CpuConv cpu_conv;

@@ -1,9 +1,9 @@
-// Launching the CUDA ops' kernels: programmatic dependent launch (Hopper and newer) and
-// thread-block clusters. A kernel launched as a programmatic dependent may start while the
-// kernel before it in the stream is still running, and waits (griddepcontrol.wait) only where
-// it reads that kernel's results. Under a CUDA graph this takes a launch's latency off every
-// edge of the denoising loop's chain of kernels. The device half is for .cu files, the host
-// half (LaunchConfig) for any CUDA source.
+// Launching the CUDA ops' kernels: programmatic dependent launch (Hopper and newer),
+// thread-block clusters, cooperative launches. A kernel launched as a programmatic dependent
+// may start while the kernel before it in the stream is still running, and waits
+// (griddepcontrol.wait) only where it reads that kernel's results. Under a CUDA graph this
+// takes a launch's latency off every edge of the denoising loop's chain of kernels. The
+// device half is for .cu files, the host half (LaunchConfig) for any CUDA source.
 #pragma once
 
 #include <ATen/cuda/CUDAContext.h>
@@ -70,6 +70,13 @@ class LaunchConfig {
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;
   }
+  // Every block resident at once (or the launch fails), so that blocks may wait for each
+  // other.
+  void cooperative() {
+    cudaLaunchAttribute& attribute = next();
+    attribute.id = cudaLaunchAttributeCooperative;
+    attribute.val.cooperative = 1;
+  }
   const cudaLaunchConfig_t* get() const { return &config_; }
 
  private:
@@ -78,7 +85,7 @@ class LaunchConfig {
     return attributes_[config_.numAttrs++];
   }
   cudaLaunchConfig_t config_ = {};
-  cudaLaunchAttribute attributes_[2];
+  cudaLaunchAttribute attributes_[3];
 };
 
 }  // namespace dpa

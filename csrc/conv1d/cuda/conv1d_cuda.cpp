@@ -118,6 +118,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const GemmForm form = gemm_form(p, weight, gemm_route);
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual, form);
   if (gemm_route) {
+    c.a.counters = counters_data(counters);  // a sliced epilogue's, in one launch
     launch_group_norm_epilogue(c.a, x.scalar_type(), conv_as_gemm(c.a, x, c.weight, form), form);
     return c.out;
   }
@@ -183,13 +184,14 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     read_skip_in_place(cs.a, x, *skip);
   }
   if (gemm_route) {
-    const at::Tensor cols = im2col(c.a, x, form);
+    const at::Tensor cols = gemm_columns(c.a, x, form);
     const at::Tensor centre = centre_columns(c.a, cols, form);
     SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), cs.a.positions));
     shortcut.run([&] {
       launch_conv_epilogue(cs.a, x.scalar_type(), gemm(cs.a, cs.weight, centre, GemmForm::kIm2col),
                            GemmForm::kIm2col);
     });
+    c.a.counters = counters_data(counters);
     launch_group_norm_epilogue(c.a, x.scalar_type(), gemm(c.a, c.weight, cols, form), form);
     shortcut.join();
     return {c.out, cs.out};
@@ -233,11 +235,10 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
                                   form, /*with_output=*/false);
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
   // x stored channels-last (a previous block's channels_last output) is, where the taps are
-  // GEMM rows, that GEMM's operand [C_in, B * L] as it is: no transposing launch.
+  // GEMM rows, that GEMM's operand [C_in, B * L] as it is (gemm_columns), and its residual.
   const bool x_rows =
       form == GemmForm::kTapRows && !skip.has_value() && x.transpose(1, 2).is_contiguous();
-  const at::Tensor cols = x_rows ? x.transpose(1, 2).reshape({first.a.positions, p.in_channels}).t()
-                                 : im2col(first.a, x, form);
+  const at::Tensor cols = gemm_columns(first.a, x, form);
   GemmEpilogueIo io{};
   std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
   std::optional<SideBranch> shortcut;

@@ -205,10 +205,11 @@ struct GemmEpilogueIo {
 
 // A GroupNorm epilogue cut into slices, for groups larger than a block holds: each group is
 // cut into `slices` slices of slice_len elements (the last may be shorter, none empty), one
-// block each, in two launches: the slices' pre-activations and moments, then the group's
-// statistics merged from its slices' and the slices normalised (gemm_epilogue.cuh).
+// block each. In one cooperative launch (pre null; a.counters: one per batch row and group),
+// or two: the slices' pre-activations and moments, then the group's statistics merged from
+// its slices' and the slices normalised (gemm_epilogue.cuh).
 struct GroupSlices {
-  float* pre;       // [batch * groups][group elements]
+  float* pre;       // [batch * groups][group elements], for two launches
   float2* moments;  // [batch * groups][slices]: each slice's mean and sum of squared deviations
   int slices, slice_len;
 };
@@ -223,6 +224,9 @@ void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols);
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices);
+// Whether the sliced epilogue of the form fits one cooperative launch of `blocks` blocks.
+template <typename T>
+bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks);
 // The plain conv's epilogue (bias, residual) over `pre`, into a.out ([B, C_out, L_out]).
 template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form);

@@ -98,6 +98,13 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
   return old;
 }
 
+// A GPU-scope acquire load of a counter that other blocks count on (atomic_add_acq_rel).
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 template <typename T>
 __device__ __forceinline__ float load_float(const void* base, int64_t i) {
   return static_cast<float>(static_cast<const T*>(base)[i]);

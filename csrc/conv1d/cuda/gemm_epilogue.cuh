@@ -8,7 +8,9 @@
 
 #include <type_traits>
 
+#include "common/launch.h"
 #include "conv1d/cuda/device_common.cuh"
+#include "conv1d/cuda/launch_plan.h"
 
 namespace dpa {
 
@@ -68,10 +70,15 @@ struct TapRowsPre {
   }
 };
 
-// The block's sum of (v - mean)^2 over the first n values it holds (thread t's v[j] is value
-// t + j * kThreads): the second of the two passes the GroupNorm kernels take over held values.
-__device__ __forceinline__ float block_squared_deviations(const float (&v)[kHeldPerThread], float mean, int n,
-                                                          float* scratch) {
+// The moments (mean, sum of squared deviations) of the first n values the block holds (thread
+// t's v[j] is value t + j * kThreads), in two passes over them: the GroupNorm kernels'
+// statistics over a group or a slice of one.
+__device__ __forceinline__ float2 held_moments(const float (&v)[kHeldPerThread], int n, float* scratch) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j)
+    if (threadIdx.x + j * kThreads < n) sum += v[j];
+  const float mean = block_sum(sum, scratch) / n;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
@@ -80,7 +87,7 @@ __device__ __forceinline__ float block_squared_deviations(const float (&v)[kHeld
       sq += d * d;
     }
   }
-  return block_sum(sq, scratch);
+  return make_float2(mean, block_sum(sq, scratch));
 }
 
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
@@ -96,7 +103,6 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
   const int64_t positions = static_cast<int64_t>(a.batch) * L;
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
-  float s = 0.f;
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
     const int i = threadIdx.x + j * kThreads, c = g * cpg + i / L, l = i % L;
@@ -113,11 +119,8 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
       }
     }
   }
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j)
-    if (threadIdx.x + j * kThreads < count) s += v[j];
-  const float mean = block_sum(s, scratch) / count;
-  const float rstd = rsqrtf(block_squared_deviations(v, mean, count, scratch) / count + a.eps);
+  const float2 moments = held_moments(v, count, scratch);
+  const float mean = moments.x, rstd = rsqrtf(moments.y / count + a.eps);
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
     const int i = threadIdx.x + j * kThreads;
@@ -168,61 +171,19 @@ __global__ void __launch_bounds__(kThreads)
   group_norm_epilogue<T>(a, pre, io);
 }
 
-// The sliced GroupNorm epilogue (GroupSlices), first launch: block blockIdx.x takes slice
-// blockIdx.x % slices of (batch row, group) blockIdx.x / slices, stores its pre-activations
-// and its mean and sum of squared deviations (two passes over the held values, as the
-// one-block epilogue takes them over the group).
-template <typename T, typename Pre>
-__global__ void __launch_bounds__(kThreads)
-    group_slice_moments_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
-  __shared__ float scratch[kWarps];
-  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
-  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
-  const int cpg = a.cout / a.groups, count = cpg * L;
-  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
-  float v[kHeldPerThread];
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = lo + threadIdx.x + j * kThreads;
-    if (i < lo + n) v[j] = pre(g * cpg + i / L, b * L + i % L);
-  }
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = threadIdx.x + j * kThreads;
-    if (i < n) {
-      s.pre[static_cast<int64_t>(unit) * count + lo + i] = v[j];
-      sum += v[j];
-    }
-  }
-  const float mean = block_sum(sum, scratch) / n;
-  const float m2 = block_squared_deviations(v, mean, n, scratch);
-  if (threadIdx.x == 0) s.moments[static_cast<int64_t>(unit) * s.slices + slice] = make_float2(mean, m2);
-}
+// The sliced GroupNorm epilogue (GroupSlices): each block takes slice blockIdx.x % slices of
+// (batch row, group) blockIdx.x / slices. One cooperative launch where every block can be
+// resident at once and the op has counters (group_slices_kernel): a slice's block waits for
+// its group's other slices' moments and normalizes the values it holds. Else two launches:
+// group_slice_moments_kernel stores the slice's pre-activations and moments, and
+// group_slice_normalize_kernel reads them back.
 
-// Second launch: each block merges its group's slice moments in slice order (Chan et al.'s
-// pairwise update: no cancellation, and the same bits on every run), then runs GroupNorm ->
-// Mish -> FiLM -> residual on its slice. Its epilogue inputs and pre-activations are
-// requested before the merge, so their round trip overlaps it.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s) {
+// A group's mean and 1 / std from its slices' moments, merged in slice order (Chan et al.'s
+// pairwise update: no cancellation, and the same bits on every run): kThreads slices' moments
+// at a time through shared memory, merged by thread 0.
+__device__ __forceinline__ float2 merged_slice_stats(const StreamArgs& a, const GroupSlices& s, int unit, int count) {
   __shared__ float2 moments[kThreads];
   __shared__ float2 stats;
-  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
-  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
-  const int cpg = a.cout / a.groups, count = cpg * L;
-  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
-  float v[kHeldPerThread];
-  Epilogue e[kHeldPerThread];
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = lo + threadIdx.x + j * kThreads;
-    if (i < lo + n) {
-      v[j] = __ldcg(s.pre + static_cast<int64_t>(unit) * count + i);
-      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
-    }
-  }
-  // kThreads slices' moments at a time through shared memory, merged by thread 0.
   float merged = 0.f, mean = 0.f, m2 = 0.f;
   for (int k0 = 0; k0 < s.slices; k0 += kThreads) {
     if (k0 + threadIdx.x < s.slices) {
@@ -242,14 +203,106 @@ __global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const S
   }
   if (threadIdx.x == 0) stats = make_float2(mean, rsqrtf(m2 / count + a.eps));
   __syncthreads();
-  const float2 st = stats;
+  return stats;
+}
+
+// GroupNorm (stats: mean, 1 / std) -> Mish -> FiLM -> residual on the slice's held values,
+// elements lo.. of (b, g).
+template <typename T>
+__device__ __forceinline__ void normalize_held(const StreamArgs& a, int b, int g, int lo, int n,
+                                               const float (&v)[kHeldPerThread],
+                                               const Epilogue (&e)[kHeldPerThread], float2 stats) {
+  const int cpg = a.cout / a.groups, L = a.lout;
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
     const int i = lo + threadIdx.x + j * kThreads;
     if (i >= lo + n) continue;
-    const float out = mish((v[j] - st.x) * st.y * e[j].gamma + e[j].beta);
+    const float out = mish((v[j] - stats.x) * stats.y * e[j].gamma + e[j].beta);
     store_output<T>(a, b, g * cpg + i / L, i % L, apply_epilogue(e[j], out));
   }
+}
+
+// Thread 0 of each of a group's `slices` blocks: counts in on the group's counter, waits
+// until all have, then counts out; the last out zeroes it, as every op's counters are between
+// launches. Each count is a release of what the block stored before (its moments) and an
+// acquire of the others'. Waiting on other blocks is safe only in a cooperative launch, which
+// makes them all resident.
+__device__ __forceinline__ void slices_meet(int* counter, int slices) {
+  atomic_add_acq_rel(counter, 1);
+  while (load_acquire(counter) < slices) {
+  }
+  if (atomic_add_acq_rel(counter, 1) == 2 * slices - 1) atomicExch(counter, 0);
+}
+
+template <typename T, typename Pre>
+__global__ void __launch_bounds__(kThreads)
+    group_slices_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
+  __shared__ float scratch[kWarps];
+  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
+  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
+  const int cpg = a.cout / a.groups, count = cpg * L;
+  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  float v[kHeldPerThread];
+  Epilogue e[kHeldPerThread];
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i < lo + n) {
+      v[j] = pre(g * cpg + i / L, b * L + i % L);
+      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
+    }
+  }
+  const float2 moments = held_moments(v, n, scratch);
+  if (threadIdx.x == 0) {
+    s.moments[static_cast<int64_t>(unit) * s.slices + slice] = moments;
+    slices_meet(a.counters + unit, s.slices);
+  }
+  __syncthreads();
+  normalize_held<T>(a, b, g, lo, n, v, e, merged_slice_stats(a, s, unit, count));
+}
+
+// The two launches' first: the slice's pre-activations and moments, stored.
+template <typename T, typename Pre>
+__global__ void __launch_bounds__(kThreads)
+    group_slice_moments_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
+  __shared__ float scratch[kWarps];
+  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
+  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
+  const int cpg = a.cout / a.groups, count = cpg * L;
+  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  float v[kHeldPerThread];
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i < lo + n) {
+      v[j] = pre(g * cpg + i / L, b * L + i % L);
+      s.pre[static_cast<int64_t>(unit) * count + i] = v[j];
+    }
+  }
+  const float2 moments = held_moments(v, n, scratch);
+  if (threadIdx.x == 0) s.moments[static_cast<int64_t>(unit) * s.slices + slice] = moments;
+}
+
+// Second launch: the group's statistics from its slices' moments, then the slice normalized.
+// Its epilogue inputs and pre-activations are requested before the merge, so that their
+// round trip overlaps it.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s) {
+  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
+  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
+  const int cpg = a.cout / a.groups, count = cpg * L;
+  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  float v[kHeldPerThread];
+  Epilogue e[kHeldPerThread];
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    const int i = lo + threadIdx.x + j * kThreads;
+    if (i < lo + n) {
+      v[j] = __ldcg(s.pre + static_cast<int64_t>(unit) * count + i);
+      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
+    }
+  }
+  normalize_held<T>(a, b, g, lo, n, v, e, merged_slice_stats(a, s, unit, count));
 }
 
 // The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
@@ -328,6 +381,30 @@ void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// f(pre functor) for the GEMM result of the form: TapRowsPre, Diffusion Policy's kernel sizes
+// compiled in, or GemmPre.
+template <typename T, typename F>
+void with_pre(const StreamArgs& a, const void* pre, GemmForm form, const F& f) {
+  if (form != GemmForm::kTapRows) return f(GemmPre<T>{static_cast<const T*>(pre), a.positions, a.bias});
+  const auto rows = [&](auto taps) {
+    return TapRowsPre<T, decltype(taps)::value>{static_cast<const float*>(pre), a.positions, a.bias, a.ksize,
+                                                a.pad, a.lout};
+  };
+  if (a.ksize == 5) return f(rows(std::integral_constant<int, 5>{}));
+  if (a.ksize == 3) return f(rows(std::integral_constant<int, 3>{}));
+  return f(rows(std::integral_constant<int, 0>{}));
+}
+
+template <typename T>
+bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks) {
+  bool fits = false;
+  with_pre<T>(a, nullptr, form, [&](const auto& rows) {
+    using Pre = std::decay_t<decltype(rows)>;
+    fits = cooperative_fits(reinterpret_cast<const void*>(group_slices_kernel<T, Pre>), blocks);
+  });
+  return fits;
+}
+
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices) {
@@ -335,32 +412,28 @@ void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm f
   const int units = a.batch * a.groups;
   TORCH_INTERNAL_ASSERT(slices.slices == 1 || !(io.residual_pre || io.residual_rows || io.cols),
                         "a sliced GroupNorm epilogue takes no io options");
-  // launch(TapRowsPre functor), Diffusion Policy's kernel sizes compiled in.
-  const auto with_tap_rows = [&](const auto& launch) {
-    const auto rows = [&](auto taps) {
-      return TapRowsPre<T, decltype(taps)::value>{static_cast<const float*>(pre), a.positions, a.bias,
-                                                  a.ksize, a.pad, a.lout};
-    };
-    if (a.ksize == 5) return launch(rows(std::integral_constant<int, 5>{}));
-    if (a.ksize == 3) return launch(rows(std::integral_constant<int, 3>{}));
-    return launch(rows(std::integral_constant<int, 0>{}));
-  };
   if (slices.slices > 1) {
     const dim3 grid(units * slices.slices);
-    const auto moments = [&](const auto& rows) {
+    with_pre<T>(a, pre, form, [&](const auto& rows) {
+      using Pre = std::decay_t<decltype(rows)>;
+      if (slices.pre == nullptr) {  // one launch (group_slices_fit)
+        LaunchConfig launch(grid, dim3(kThreads), 0);
+        launch.cooperative();
+        C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), group_slices_kernel<T, Pre>, a, rows, slices));
+        return;
+      }
       group_slice_moments_kernel<T><<<grid, kThreads, 0, stream>>>(a, rows, slices);
-    };
-    if (form == GemmForm::kTapRows) {
-      with_tap_rows(moments);
-    } else {
-      moments(GemmPre<T>{static_cast<const T*>(pre), a.positions, a.bias});
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices);
+    });
   } else if (form != GemmForm::kTapRows) {
     group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), io);
   } else {
-    with_tap_rows([&](const auto& rows) { tap_rows_group_norm_epilogue_kernel<<<units, kThreads, 0, stream>>>(a, rows, io); });
+    with_pre<T>(a, pre, form, [&](const auto& rows) {
+      if constexpr (!std::is_same_v<std::decay_t<decltype(rows)>, GemmPre<T>>) {
+        tap_rows_group_norm_epilogue_kernel<<<units, kThreads, 0, stream>>>(a, rows, io);
+      }
+    });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -383,6 +456,7 @@ void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form) {
   template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*);                          \
   template void launch_group_norm_epilogue<T>(const StreamArgs&, const void*, GemmForm,               \
                                               const GemmEpilogueIo&, const GroupSlices&);             \
+  template bool group_slices_fit<T>(const StreamArgs&, GemmForm, int);                                 \
   template void launch_conv_epilogue<T>(const StreamArgs&, const void*, GemmForm);
 
 }  // namespace dpa

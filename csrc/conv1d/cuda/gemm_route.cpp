@@ -41,6 +41,18 @@ void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form) {
   a.positions = static_cast<int>(p.batch * (tap_rows ? p.in_length : p.out_length));
 }
 
+at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+  if (form != GemmForm::kTapRows || a.x2) return at::Tensor();
+  if (x.size(0) == 1 && (x.stride(2) == 1 || x.stride(1) == 1)) return x.select(0, 0);
+  if (x.transpose(1, 2).is_contiguous()) return x.transpose(1, 2).reshape({a.positions, a.red}).t();
+  return at::Tensor();
+}
+
+at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+  const at::Tensor view = tap_rows_view(a, x, form);
+  return view.defined() ? view : im2col(a, x, form);
+}
+
 at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
   const Im2col cut = form == GemmForm::kIm2col ? Im2col{a.ksize, a.lout, a.stride, a.pad} : Im2col{1, a.lin, 1, 0};
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
@@ -64,7 +76,7 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
 }
 
 at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form) {
-  return gemm(a, weight, im2col(a, x, form), form);
+  return gemm(a, weight, gemm_columns(a, x, form), form);
 }
 
 at::Tensor centre_columns(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
@@ -105,10 +117,19 @@ void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const
                           "the GroupNorm epilogue's io options need a group held in registers");
     slices.slice_len = static_cast<int>(ceil_div(count, wanted));
     slices.slices = static_cast<int>(ceil_div(count, slices.slice_len));  // none empty
-    pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
     moments = at::empty({units * slices.slices, 2}, pre.options().dtype(at::kFloat));
-    slices.pre = pre_sums.data_ptr<float>();
     slices.moments = reinterpret_cast<float2*>(moments.data_ptr<float>());
+    // One launch needs a counter per (batch row, group): the op's counters hold out_channels.
+    bool one_launch = kernel_config().cooperative_group_norm && a.counters != nullptr && units <= a.cout;
+    if (one_launch) {
+      DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
+        one_launch = group_slices_fit<scalar_t>(a, form, static_cast<int>(units * slices.slices));
+      });
+    }
+    if (!one_launch) {
+      pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
+      slices.pre = pre_sums.data_ptr<float>();
+    }
   }
   // A group the one-block kernel does not hold would be left partly unwritten.
   TORCH_INTERNAL_ASSERT(slices.slices > 1 || group_held(a.cout / a.groups, a.lout),

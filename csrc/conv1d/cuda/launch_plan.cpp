@@ -48,6 +48,21 @@ void set_kernel_attributes(const void* kernel, int cluster_blocks, size_t shared
   }
 }
 
+bool cooperative_fits(const void* kernel, int blocks) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> resident;  // blocks per SM
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  if (!props->cooperativeLaunch) return false;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = resident.find({c10::cuda::current_device(), kernel});
+  if (found == resident.end()) {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+    found = resident.emplace(std::make_pair(c10::cuda::current_device(), kernel), n).first;
+  }
+  return static_cast<int64_t>(found->second) * sm_budget() >= blocks;
+}
+
 int wave_blocks() {
   return kBlocksPerSm * sm_budget();
 }

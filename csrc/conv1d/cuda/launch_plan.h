@@ -48,6 +48,11 @@ StreamLaunch plan_stream(StreamArgs& a, at::ScalarType dtype, bool transposed, c
 ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, at::ScalarType dtype, const at::Tensor& wa,
                                     const at::Tensor& wb);
 
+// Whether `blocks` blocks of `kernel` (kThreads threads, static shared memory only) can be
+// one cooperative launch: the device has them, and the blocks are resident at once within
+// the SM budget.
+bool cooperative_fits(const void* kernel, int blocks);
+
 // What a launch of `kernel` must opt into: beyond 48 KB of static + dynamic shared memory,
 // and clusters beyond the portable 8 blocks.
 void set_kernel_attributes(const void* kernel, int cluster_blocks, size_t shared_bytes);
