@@ -32,7 +32,7 @@ import argparse
 import contextlib
 import dataclasses
 import threading
-from typing import Iterator, List, NamedTuple, Optional
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,13 @@ class KernelConfig:
     # action at horizon 64, batch 1, DDPM-100 took 117.0 against 137.5 ms in fp32.
     gemm_min_work: int = 1 << 27
     gemm_min_work_positions: int = 16
+    # ... and a transposed conv (the U-Nets' upsampling, C -> C, k4, stride 2) from
+    # gemm_min_work_positions input positions on where its weight elements x positions reach
+    # this. At 16 positions the streaming kernel took 4x as long as at 8 from 512 channels on
+    # (scripts/dev/resample_routes.py, H200, streaming / GEMM µs: 512 fp32 26.6 / 14.5, bf16
+    # 28.2 / 9.0; 1024 fp32 33.0 / 21.5, bf16 33.9 / 11.0), while at 256 channels (4.2M)
+    # streaming was as fast or faster (6.8 / 12.5 fp32, 8.2 / 8.0 bf16).
+    transposed_gemm_min_work: int = 1 << 24
     # On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream beside the
     # first conv's GEMM. In half precision, and in fp32 below 256 positions, that took 0.9-12 µs
     # off 25 of the 30 U-Net blocks measured, left 4 within 0.2 µs and lengthened one by
@@ -153,6 +160,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
         extension.clear_thread_kernel_config()
         return
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
+                                config.transposed_gemm_min_work,
                                 config.side_stream_fp32_max_positions,
                                 config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
@@ -199,10 +207,17 @@ def _work(conv: nn.Module, positions: int) -> int:
     return conv.in_channels * conv.out_channels * conv.kernel_size[0] * positions
 
 
+def _min_work(conv: nn.Module, config: KernelConfig) -> Tuple[str, int]:
+    """The work threshold below gemm_min_positions that applies to conv: (its name, value)."""
+    if isinstance(conv, nn.ConvTranspose1d):
+        return "transposed_gemm_min_work", config.transposed_gemm_min_work
+    return "gemm_min_work", config.gemm_min_work
+
+
 def _gemm_by_size(conv: nn.Module, positions: int, config: KernelConfig) -> bool:
     """The ops' own rule for a contiguous weight (csrc/conv1d/cuda/gemm_route.h)."""
     return positions >= config.gemm_min_positions or (
-        positions >= config.gemm_min_work_positions and _work(conv, positions) >= config.gemm_min_work)
+        positions >= config.gemm_min_work_positions and _work(conv, positions) >= _min_work(conv, config)[1])
 
 
 def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
@@ -311,7 +326,7 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         return ConvRoute(name, described, "GEMM, taps-major" if taps else "GEMM",
                          why + ("; with the block's first conv, in one op" if paired else ""))
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
-    below = (f"multiply-adds {_work(sized, positions)} < gemm_min_work {config.gemm_min_work}"
+    below = ("multiply-adds {} < {} {}".format(_work(sized, positions), *_min_work(sized, config))
              if positions >= config.gemm_min_work_positions
              else f"< gemm_min_work_positions {config.gemm_min_work_positions}")
     return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
@@ -325,7 +340,7 @@ def _gemm_reason(conv: nn.Module, positions: int, taps: bool, config: KernelConf
         return f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}"
     if _gemm_by_size(conv, positions, config):
         return (f"batch x length {positions} >= gemm_min_work_positions {config.gemm_min_work_positions} and "
-                f"multiply-adds {_work(conv, positions)} >= gemm_min_work {config.gemm_min_work}")
+                "multiply-adds {} >= {} {}".format(_work(conv, positions), *_min_work(conv, config)))
     if taps:
         return (f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
                 f">= {config.taps_major_min_work} (at batch 1 from 8 positions: "

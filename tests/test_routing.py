@@ -30,6 +30,7 @@ def test_defaults_and_package_exports():
     ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
     ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
     ("gemm_min_work_positions", "16", TypeError, "KernelConfig.gemm_min_work_positions must be an int"),
+    ("transposed_gemm_min_work", -1, ValueError, "KernelConfig.transposed_gemm_min_work must be in [1, 2**63)"),
     ("cooperative_group_norm", 0, TypeError, "KernelConfig.cooperative_group_norm must be a bool, got 0"),
     ("sm_count", 0, ValueError, "KernelConfig.sm_count must be in [1, 2**63), got 0"),
     ("sm_count", 16.0, TypeError, "KernelConfig.sm_count must be an int, got 16.0"),
@@ -169,7 +170,7 @@ def test_explain_names_every_conv_and_its_route():
         lerobot = ConditionalUnet1D(**UNETS["lerobot"])
         deep = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.bfloat16, device="cuda")}
         wide = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
-        with kernel_config(gemm_min_work=1 << 62):
+        with kernel_config(gemm_min_work=1 << 62, transposed_gemm_min_work=1 << 62):
             narrow = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
     assert deep["mid_modules.0.blocks.0.block.0"].route == "GEMM, taps-major"
     # Horizon 32: LeRobot's 2048-channel layers have 8 positions, taps-major GEMMs in half
@@ -189,8 +190,14 @@ def test_explain_names_every_conv_and_its_route():
     for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0"):
         assert wide[module].route == "GEMM" and "multiply-adds" in wide[module].why, wide[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
-    for module in ("up_modules.0.1.blocks.0.block.0", "up_modules.0.2.conv", "down_modules.1.2.conv"):
+    for module in ("up_modules.0.1.blocks.0.block.0", "down_modules.1.2.conv"):
         assert wide[module].route.startswith("streaming"), wide[module]
+    # The upsampling conv over 16 positions (1024 x 1024 x 4 x 16): the GEMM route by
+    # transposed_gemm_min_work, in both precisions; the horizon-16 U-Nets' (at most 8) stream.
+    for routes in (wide, deep):
+        assert "transposed_gemm_min_work" in routes["up_modules.0.2.conv"].why, routes["up_modules.0.2.conv"]
+        assert routes["up_modules.0.2.conv"].route == "GEMM", routes["up_modules.0.2.conv"]
+    assert narrow["up_modules.0.2.conv"].route.startswith("streaming"), narrow["up_modules.0.2.conv"]
     # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
     long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
     assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why

@@ -21,6 +21,9 @@ struct KernelConfig {
   // elements x positions) reach gemm_min_work.
   int64_t gemm_min_work;
   int64_t gemm_min_work_positions;
+  // ... and for a transposed conv, from gemm_min_work_positions on where its weight elements x
+  // positions (its input's) reach this.
+  int64_t transposed_gemm_min_work;
   // On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream, in fp32
   // only below this many positions (half precision: always).
   int64_t side_stream_fp32_max_positions;

@@ -134,7 +134,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
       check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
-  if (takes_gemm_route(positions, weight)) {
+  if (takes_gemm_route(positions, weight, transposed)) {
     if (conv_epilogue_fits(p)) {
       const GemmForm form = gemm_form(p, weight, true);
       ConvCall c = conv_call(p, x, weight, bias, residual, form);
