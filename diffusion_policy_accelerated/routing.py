@@ -13,7 +13,9 @@ A conv of the U-Net takes one of these routes:
                blocks with a finishing block; csrc/conv1d/cuda/launch_plan.cpp cuts it into
                blocks from the SMs (`sm_count`, else the device's) and shared memory.
   GEMM         CUDA, from `gemm_min_positions` on, or from `gemm_min_work_positions` where a
-               conv's multiply-adds reach `gemm_min_work`: im2col + one cuBLAS GEMM + an epilogue
+               conv's multiply-adds reach `gemm_min_work` (`transposed_gemm_min_work`), or in
+               half precision without Hopper's launch features from
+               `portable_half_gemm_min_positions`: im2col + one cuBLAS GEMM + an epilogue
                kernel. In half precision a GroupNorm conv's weight may be passed taps-major
                (`taps_major_pays`): the GEMM then multiplies x itself and the epilogue adds up
                the taps, and a taps-major weight takes this route at any size.
@@ -38,7 +40,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major_pays", "block_op_pays",
-           "on_gemm_route", "ConvRoute", "explain"]
+           "on_gemm_route", "portable_launches", "ConvRoute", "explain"]
 
 
 # KernelConfig.cpu_conv's values, in the extension's order (csrc/common/kernel_config.h).
@@ -67,6 +69,17 @@ class KernelConfig:
     # action at horizon 64, batch 1, DDPM-100 took 117.0 against 137.5 ms in fp32.
     gemm_min_work: int = 1 << 27
     gemm_min_work_positions: int = 16
+    # ... and, where the ops launch without Hopper's clusters and programmatic dependent
+    # launch (GPUs before Hopper, or both switched off), half-precision convs from this many
+    # positions: the streaming kernels there are split-K with a finishing block, and lose to
+    # cuBLAS's tensor cores sooner. H100, both off, batch 1, horizon 16, DDPM-100, ms off / on
+    # (scripts/dev/portable_half_routes.py; green contexts): whole GPU, bf16 lowdim 33.28 /
+    # 30.83, image 60.61 / 56.05, fp16 lowdim 34.99 / 31.90, image 63.43 / 57.22; 48 SMs bf16
+    # lowdim 37.84 / 37.04, image 90.33 / 81.71; 16 SMs bf16 lowdim 59.74 / 59.98 (the one
+    # loss), image 184.02 / 165.07, fp16 lowdim 64.21 / 63.30. From 16 positions it gained
+    # less (whole GPU, bf16: lowdim 32.84, image 58.98), from 1 lowdim lost (36.76), and fp32
+    # lost from 16 on (lowdim 37.91 against 35.04): its GEMMs are SIMT.
+    portable_half_gemm_min_positions: int = 8
     # ... and a transposed conv (the U-Nets' upsampling, C -> C, k4, stride 2) from
     # gemm_min_work_positions input positions on where its weight elements x positions reach
     # this. At 16 positions the streaming kernel took 4x as long as at 8 from 512 channels on
@@ -160,7 +173,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
         extension.clear_thread_kernel_config()
         return
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
-                                config.transposed_gemm_min_work,
+                                config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
                                 config.side_stream_fp32_max_positions,
                                 config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
@@ -214,10 +227,22 @@ def _min_work(conv: nn.Module, config: KernelConfig) -> Tuple[str, int]:
     return "gemm_min_work", config.gemm_min_work
 
 
-def _gemm_by_size(conv: nn.Module, positions: int, config: KernelConfig) -> bool:
+def portable_launches(config: Optional[KernelConfig] = None) -> bool:
+    """Whether the CUDA ops launch without Hopper's clusters and programmatic dependent launch:
+    the current GPU is older than Hopper, or `config` (default: the calling thread's) turns
+    both off. Without a GPU here, as on Hopper."""
+    config = config or current_kernel_config()
+    if not (config.clusters or config.pdl):
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9
+
+
+def _gemm_by_size(conv: nn.Module, positions: int, dtype: torch.dtype, config: KernelConfig) -> bool:
     """The ops' own rule for a contiguous weight (csrc/conv1d/cuda/gemm_route.h)."""
     return positions >= config.gemm_min_positions or (
-        positions >= config.gemm_min_work_positions and _work(conv, positions) >= _min_work(conv, config)[1])
+        positions >= config.gemm_min_work_positions and _work(conv, positions) >= _min_work(conv, config)[1]) or (
+        dtype != torch.float32 and positions >= config.portable_half_gemm_min_positions
+        and portable_launches(config))
 
 
 def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
@@ -228,20 +253,20 @@ def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtyp
     work = conv.in_channels * conv.out_channels * positions
     if batch == 1 and positions >= 8 and work >= config.taps_major_min_work_batch_1:
         return True
-    return _gemm_by_size(conv, positions, config) or (
+    return _gemm_by_size(conv, positions, dtype, config) or (
         positions >= (8 if batch >= 2 else 16) and work >= config.taps_major_min_work)
 
 
 def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
                    config: KernelConfig) -> bool:
-    return all(_gemm_by_size(conv, batch * length, config) or _taps_major_pays(conv, batch, length, dtype, config)
-               for conv in (first, second))
+    return all(_gemm_by_size(conv, batch * length, dtype, config)
+               or _taps_major_pays(conv, batch, length, dtype, config) for conv in (first, second))
 
 
 def on_gemm_route(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     """Whether `conv` (contiguous weight, keeping x's length) over x takes the CUDA ops' im2col +
     cuBLAS route."""
-    return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], current_kernel_config())
+    return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], x.dtype, current_kernel_config())
 
 
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
@@ -314,14 +339,14 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                                  "its residual block runs as one op on the GEMM route")
             # The shortcut runs on its first conv's route.
             why = ("as its block's first conv, "
-                   + _gemm_reason(first, positions, _taps_major_pays(first, batch, length, dtype, config), config)
-                   if conv is block.residual_conv else _gemm_reason(conv, positions, taps, config))
+                   + _gemm_reason(first, positions, dtype, _taps_major_pays(first, batch, length, dtype, config), config)
+                   if conv is block.residual_conv else _gemm_reason(conv, positions, dtype, taps, config))
             return ConvRoute(name, described, "GEMM" + layout,
                              f"{why}; its residual block's op runs per conv: a GroupNorm group of {group} "
                              f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
         taps = taps and not paired
         sized = first if paired else conv
-    why = _gemm_reason(sized, positions, taps, config)
+    why = _gemm_reason(sized, positions, dtype, taps, config)
     if why is not None:
         return ConvRoute(name, described, "GEMM, taps-major" if taps else "GEMM",
                          why + ("; with the block's first conv, in one op" if paired else ""))
@@ -334,13 +359,18 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                      + ("; the block's first conv and shortcut in one launch" if paired else ""))
 
 
-def _gemm_reason(conv: nn.Module, positions: int, taps: bool, config: KernelConfig) -> Optional[str]:
+def _gemm_reason(conv: nn.Module, positions: int, dtype: torch.dtype, taps: bool,
+                 config: KernelConfig) -> Optional[str]:
     """Why `conv` over `positions` takes the GEMM route (None: it streams)."""
     if positions >= config.gemm_min_positions:
         return f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}"
-    if _gemm_by_size(conv, positions, config):
+    if (positions >= config.gemm_min_work_positions
+            and _work(conv, positions) >= _min_work(conv, config)[1]):
         return (f"batch x length {positions} >= gemm_min_work_positions {config.gemm_min_work_positions} and "
                 "multiply-adds {} >= {} {}".format(_work(conv, positions), *_min_work(conv, config)))
+    if _gemm_by_size(conv, positions, dtype, config):
+        return (f"half precision without Hopper's clusters and programmatic dependent launch, batch x length "
+                f"{positions} >= portable_half_gemm_min_positions {config.portable_half_gemm_min_positions}")
     if taps:
         return (f"half precision, 8+ positions at batch 2+ (16+ at batch 1) and C_in x C_out x positions "
                 f">= {config.taps_major_min_work} (at batch 1 from 8 positions: "

@@ -147,6 +147,24 @@ def test_taps_major_reads_x_in_place_at_batch_1(shape, dtype, layout):
     torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups), **TOLERANCES[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_portable_launches_take_half_precision_gemms_from_8_positions(dtype):
+    """Without clusters and PDL (a GPU before Hopper; here both switched off) half-precision
+    convs take the GEMM route from portable_half_gemm_min_positions (8) positions; fp32 and
+    4 positions stream. Either way the output matches float64."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(13)
+    for shape, gemm in [((1, 256, 256, 8, 5, 8), dtype != torch.float32), ((1, 256, 256, 4, 5, 8), False)]:
+        x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
+        with kernel_config(clusters=False, pdl=False), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5])
+            torch.cuda.synchronize()
+        kernels = " ".join(e.key for e in prof.key_averages())
+        assert ("group_norm_epilogue" in kernels) == gemm and ("stream_conv" in kernels) != gemm, (shape, kernels)
+        torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, shape[5]), **TOLERANCES[dtype])
+
+
 def test_taps_major_keeps_shape_and_values():
     w = torch.randn(6, 4, 3)
     t = ops.taps_major(w)

@@ -31,6 +31,8 @@ def test_defaults_and_package_exports():
     ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
     ("gemm_min_work_positions", "16", TypeError, "KernelConfig.gemm_min_work_positions must be an int"),
     ("transposed_gemm_min_work", -1, ValueError, "KernelConfig.transposed_gemm_min_work must be in [1, 2**63)"),
+    ("portable_half_gemm_min_positions", 0, ValueError,
+     "KernelConfig.portable_half_gemm_min_positions must be in [1, 2**63)"),
     ("cooperative_group_norm", 0, TypeError, "KernelConfig.cooperative_group_norm must be a bool, got 0"),
     ("sm_count", 0, ValueError, "KernelConfig.sm_count must be in [1, 2**63), got 0"),
     ("sm_count", 16.0, TypeError, "KernelConfig.sm_count must be an int, got 16.0"),
@@ -198,6 +200,23 @@ def test_explain_names_every_conv_and_its_route():
         assert "transposed_gemm_min_work" in routes["up_modules.0.2.conv"].why, routes["up_modules.0.2.conv"]
         assert routes["up_modules.0.2.conv"].route == "GEMM", routes["up_modules.0.2.conv"]
     assert narrow["up_modules.0.2.conv"].route.startswith("streaming"), narrow["up_modules.0.2.conv"]
+    # Without Hopper's launch features, half-precision convs take the GEMM route from 8
+    # positions (portable_half_gemm_min_positions): the lowdim U-Net's 16- and 8-position
+    # convs at batch 1, not its 4-position ones, and none in fp32 or with either feature on.
+    with torch.device("meta"):
+        lowdim = ConditionalUnet1D(**UNETS["lowdim"])
+        with kernel_config(clusters=False, pdl=False):
+            assert routing.portable_launches()
+            portable = explain(lowdim, 1, 16, dtype=torch.bfloat16, device="cuda")
+            portable_fp32 = explain(lowdim, 1, 16, dtype=torch.float32, device="cuda")
+        with kernel_config(clusters=False):
+            split_k = explain(lowdim, 1, 16, dtype=torch.bfloat16, device="cuda")
+    by_length = {}
+    for r in portable:
+        by_length.setdefault(int(r.shape.split(", ")[-1].rstrip("]")), set()).add(r.route.split(",")[0])
+    assert by_length[4] == {"streaming"} and "GEMM" in by_length[8] and "GEMM" in by_length[16], by_length
+    assert any("portable_half_gemm_min_positions 8" in r.why for r in portable)
+    assert all(r.route.startswith("streaming") for r in portable_fp32 + split_k)
     # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
     long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
     assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why

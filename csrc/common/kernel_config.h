@@ -24,6 +24,9 @@ struct KernelConfig {
   // ... and for a transposed conv, from gemm_min_work_positions on where its weight elements x
   // positions (its input's) reach this.
   int64_t transposed_gemm_min_work;
+  // ... and in half precision, where no launch uses clusters or PDL (before Hopper, or both
+  // switched off), from this many positions.
+  int64_t portable_half_gemm_min_positions;
   // On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream, in fp32
   // only below this many positions (half precision: always).
   int64_t side_stream_fp32_max_positions;

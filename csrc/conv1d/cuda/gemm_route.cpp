@@ -23,12 +23,19 @@ bool taps_major(const at::Tensor& weight) {
   return taps > 1 && weight.stride(0) == cin * taps && weight.stride(1) == 1 && weight.stride(2) == cin;
 }
 
+bool portable_launches() {
+  const KernelConfig& config = kernel_config();
+  return !(config.clusters || config.pdl) || at::cuda::getCurrentDeviceProperties()->major < 9;
+}
+
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed) {
   const KernelConfig& config = kernel_config();
   const int64_t work = weight.numel() * positions;
   return positions >= config.gemm_min_positions || taps_major(weight) ||
          (positions >= config.gemm_min_work_positions &&
-          work >= (transposed ? config.transposed_gemm_min_work : config.gemm_min_work));
+          work >= (transposed ? config.transposed_gemm_min_work : config.gemm_min_work)) ||
+         (weight.scalar_type() != at::kFloat && positions >= config.portable_half_gemm_min_positions &&
+          portable_launches());
 }
 
 GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route) {

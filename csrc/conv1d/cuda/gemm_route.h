@@ -26,9 +26,14 @@ bool taps_major(const at::Tensor& weight);
 // Whether a conv (a GroupNorm conv, a transposed conv) with this weight over `positions`
 // (batch x output length; a transposed conv's input length) takes the GEMM route: from the
 // kernel configuration's gemm_min_positions on, from gemm_min_work_positions on where its
-// multiply-adds reach gemm_min_work (transposed_gemm_min_work for a transposed conv), or with
-// a taps-major weight (routing.py has the rules' measurements).
+// multiply-adds reach gemm_min_work (transposed_gemm_min_work for a transposed conv), in half
+// precision from portable_half_gemm_min_positions where launches are portable, or with a
+// taps-major weight (routing.py has the rules' measurements).
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed = false);
+
+// Whether no launch uses Hopper's clusters or programmatic dependent launch: a GPU before
+// Hopper, or the kernel configuration turning both off (routing.portable_launches).
+bool portable_launches();
 
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
 // view of its weight (the same but for kTapRows, which the streaming kernels do not read).

@@ -1,0 +1,72 @@
+"""The portable launch path (no thread-block clusters, no programmatic dependent launch: what
+GPUs before Hopper run) in half precision at batch 1, horizon 16, DDPM-100, with and without
+`KernelConfig.portable_half_gemm_min_positions` (GEMMs from 8 positions): ms per action chunk,
+off / on / off / on, for the lowdim and image U-Nets in bf16 and fp16, on each SM budget (a
+CUDA green context per budget, in a process of its own, as scripts/benchmark_sm_budget.py).
+
+    python scripts/dev/portable_half_routes.py [--sms 16 48 132]
+"""
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(SCRIPTS))
+from benchmark import SCHEDULES, loop_inputs  # noqa: E402
+from benchmark_sm_budget import current_context_sms  # noqa: E402
+
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
+from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+from diffusion_policy_accelerated.profiling import median_ms  # noqa: E402
+from diffusion_policy_accelerated.routing import KernelConfig, kernel_config  # noqa: E402
+
+
+def worker(budget):
+    device_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    got, context = device_sms, None
+    if budget < device_sms:
+        from torch.cuda.green_contexts import GreenContext
+        context = GreenContext.create(budget, 0)  # the context lives as long as this object
+        context.set_context()
+        got = current_context_sms()
+    from diffusion_policy_accelerated.sampler import GraphedSampler
+    scheduler_cls, steps = SCHEDULES["DDPM-100"]
+    schedule = DenoiseSchedule.from_diffusers(scheduler_cls(**SCHEDULER_CONFIG), steps).to("cuda")
+    rule = KernelConfig().portable_half_gemm_min_positions
+    for name in ("lowdim", "image"):
+        for dtype in (torch.bfloat16, torch.float16):
+            torch.manual_seed(0)
+            unet = ConditionalUnet1D(**UNETS[name]).cuda().eval().to(dtype)
+            data, mask, cond, noise, _ = loop_inputs(name, 1, HORIZON, steps)
+            data, cond, noise = data.to(dtype), cond.to(dtype), noise.to(dtype)
+            times = []
+            with torch.inference_mode():
+                for positions in (1 << 62, rule, 1 << 62, rule):
+                    with kernel_config(sm_count=got, clusters=False, pdl=False,
+                                       portable_half_gemm_min_positions=positions):
+                        sampler = GraphedSampler(unet, schedule)
+                        times.append(median_ms(lambda: sampler(data, mask, global_cond=cond, noise=noise)))
+            print(f"{got:4} SMs  {name:7} {str(dtype)[6:]:9} off / on / off / on: "
+                  + " / ".join(f"{t:.2f}" for t in times), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sms", type=int, nargs="+", default=[16, 48, 132], help="SM budgets")
+    parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one budget, in a child process
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    if args.worker is not None:
+        return worker(args.worker)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  portable launches, batch 1, horizon "
+          f"{HORIZON}, DDPM-100", flush=True)
+    for budget in args.sms:
+        subprocess.run([sys.executable, __file__, "--worker", str(budget)], check=True)
+
+
+if __name__ == "__main__":
+    main()
