@@ -588,3 +588,43 @@ def test_cpu_epilogue_at_every_vector_width(lanes):
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sliced_group_norm_on_fewer_sms_than_planned_for():
+    """In a process confined to 16 SMs (a CUDA green context) that did not say so
+    (KernelConfig.sm_count unset), the sliced GroupNorm's 128 blocks are more than 16 SMs hold
+    at once. The op must see the context's SMs and take two launches: a captured cooperative
+    launch of that size never ran on replay (a hang), and a direct one is refused. Eagerly and
+    replayed from a CUDA graph, the output is right and the counters zero again (a separate
+    process: a green context is process-wide)."""
+    from torch.cuda import green_contexts
+    if not green_contexts.SUPPORTED or torch.cuda.get_device_properties(0).multi_processor_count <= 32:
+        pytest.skip("needs CUDA green contexts and a GPU of more than 32 SMs")
+    code = textwrap.dedent("""
+        import torch
+        from torch.cuda.green_contexts import GreenContext
+        from test_conv1d_gn_mish import TOLERANCES, film_and_residual, make_inputs, reference
+        from diffusion_policy_accelerated import ops
+        context = GreenContext.create(16, 0)
+        context.set_context()
+        shape = (1, 64, 512, 64, 5, 8)  # 8 groups of 4096 elements: 16 slices each
+        g = torch.Generator().manual_seed(14)
+        x, w, b, gamma, beta = make_inputs(shape, torch.bfloat16, "cuda", g)
+        film, residual = film_and_residual(shape, torch.bfloat16, "cuda", g, "scale+bias")
+        counters = torch.zeros(512, dtype=torch.int32, device="cuda")
+        run = lambda: ops.conv1d_gn_mish(x, ops.taps_major(w), b, gamma, beta, 8, film=film, residual=residual,
+                                         counters=counters)
+        expected = reference(x, w, b, gamma, beta, 8, film, residual)
+        torch.testing.assert_close(run().cpu().double(), expected, **TOLERANCES[torch.bfloat16])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        graph.replay()
+        torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[torch.bfloat16])
+        assert not counters.any()
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -205,13 +205,14 @@ struct GemmEpilogueIo {
 
 // A GroupNorm epilogue cut into slices, for groups larger than a block holds: each group is
 // cut into `slices` slices of slice_len elements (the last may be shorter, none empty), one
-// block each. In one cooperative launch (pre null; a.counters: one per batch row and group),
-// or two: the slices' pre-activations and moments, then the group's statistics merged from
-// its slices' and the slices normalised (gemm_epilogue.cuh).
+// block each. In one cooperative launch (a.counters: one per batch row and group), or two:
+// the slices' pre-activations and moments, then the group's statistics merged from its
+// slices' and the slices normalised (gemm_epilogue.cuh).
 struct GroupSlices {
   float* pre;       // [batch * groups][group elements], for two launches
   float2* moments;  // [batch * groups][slices]: each slice's mean and sum of squared deviations
   int slices, slice_len;
+  bool cooperative;  // one launch, where it fits (two if the driver refuses it)
 };
 
 // The GEMM route's kernels for dtype T on the current stream (gemm_epilogue.cuh).

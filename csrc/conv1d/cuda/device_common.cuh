@@ -98,6 +98,13 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
   return old;
 }
 
+// The GPU's global nanosecond timer.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // A GPU-scope acquire load of a counter that other blocks count on (atomic_add_acq_rel).
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;

@@ -226,10 +226,14 @@ __device__ __forceinline__ void normalize_held(const StreamArgs& a, int b, int g
 // until all have, then counts out; the last out zeroes it, as every op's counters are between
 // launches. Each count is a release of what the block stored before (its moments) and an
 // acquire of the others'. Waiting on other blocks is safe only in a cooperative launch, which
-// makes them all resident.
+// makes them all resident. Counters that were not zero on entry (a caller's, or one model run
+// on two streams at once, which the README rules out) could leave a block waiting for ever:
+// after a second the kernel traps instead, an error the process sees, not a hung GPU.
 __device__ __forceinline__ void slices_meet(int* counter, int slices) {
   atomic_add_acq_rel(counter, 1);
+  const uint64_t start = global_timer_ns();
   while (load_acquire(counter) < slices) {
+    if (global_timer_ns() - start > 1000000000ull) __trap();
   }
   if (atomic_add_acq_rel(counter, 1) == 2 * slices - 1) atomicExch(counter, 0);
 }
@@ -416,11 +420,15 @@ void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm f
     const dim3 grid(units * slices.slices);
     with_pre<T>(a, pre, form, [&](const auto& rows) {
       using Pre = std::decay_t<decltype(rows)>;
-      if (slices.pre == nullptr) {  // one launch (group_slices_fit)
+      if (slices.cooperative) {  // one launch (group_slices_fit)
         LaunchConfig launch(grid, dim3(kThreads), 0);
         launch.cooperative();
-        C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), group_slices_kernel<T, Pre>, a, rows, slices));
-        return;
+        const cudaError_t error = cudaLaunchKernelEx(launch.get(), group_slices_kernel<T, Pre>, a, rows, slices);
+        if (error == cudaSuccess) return;
+        // Refused where the process has fewer SMs than planned for (a green context or an MPS
+        // share without KernelConfig.sm_count): the two launches instead.
+        if (error != cudaErrorCooperativeLaunchTooLarge) C10_CUDA_CHECK(error);
+        (void)cudaGetLastError();
       }
       group_slice_moments_kernel<T><<<grid, kThreads, 0, stream>>>(a, rows, slices);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

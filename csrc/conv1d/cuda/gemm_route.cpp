@@ -119,7 +119,7 @@ void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const
                                 const GemmEpilogueIo& io) {
   const int64_t count = static_cast<int64_t>(a.cout / a.groups) * a.lout;
   const int64_t units = static_cast<int64_t>(a.batch) * a.groups;
-  GroupSlices slices{nullptr, nullptr, 1, static_cast<int>(count)};
+  GroupSlices slices{nullptr, nullptr, 1, static_cast<int>(count), false};
   at::Tensor pre_sums, moments;
   if (const int wanted = group_slices(a); wanted > 1) {
     TORCH_INTERNAL_ASSERT(!(io.residual_pre || io.residual_rows || io.cols),
@@ -129,16 +129,15 @@ void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const
     moments = at::empty({units * slices.slices, 2}, pre.options().dtype(at::kFloat));
     slices.moments = reinterpret_cast<float2*>(moments.data_ptr<float>());
     // One launch needs a counter per (batch row, group): the op's counters hold out_channels.
-    bool one_launch = kernel_config().cooperative_group_norm && a.counters != nullptr && units <= a.cout;
-    if (one_launch) {
+    slices.cooperative = kernel_config().cooperative_group_norm && a.counters != nullptr && units <= a.cout;
+    if (slices.cooperative) {
       DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
-        one_launch = group_slices_fit<scalar_t>(a, form, static_cast<int>(units * slices.slices));
+        slices.cooperative = group_slices_fit<scalar_t>(a, form, static_cast<int>(units * slices.slices));
       });
     }
-    if (!one_launch) {
-      pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
-      slices.pre = pre_sums.data_ptr<float>();
-    }
+    // The two launches' buffer, also where one was planned: the driver may refuse it.
+    pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
+    slices.pre = pre_sums.data_ptr<float>();
   }
   // A group the one-block kernel does not hold would be left partly unwritten.
   TORCH_INTERNAL_ASSERT(slices.slices > 1 || group_held(a.cout / a.groups, a.lout),

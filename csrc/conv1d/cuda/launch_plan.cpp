@@ -1,6 +1,8 @@
 #include "conv1d/cuda/launch_plan.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <cuda.h>
+#include <dlfcn.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -48,19 +50,55 @@ void set_kernel_attributes(const void* kernel, int cluster_blocks, size_t shared
   }
 }
 
+namespace {
+
+// The SMs of the calling thread's current CUDA context: a green context's share, which the
+// device's properties do not show (0 where the driver cannot say). Through the driver's
+// cuCtxGetDevResource (CUDA 12.4+), looked up at run time: the extension does not link the
+// driver library.
+int context_sms() {
+  using GetCurrent = CUresult (*)(CUcontext*);
+  using GetResource = CUresult (*)(CUcontext, CUdevResource*, CUdevResourceType);
+  static const std::pair<GetCurrent, GetResource> driver = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // the runtime's
+    if (library == nullptr) return std::make_pair(GetCurrent{}, GetResource{});
+    return std::make_pair(reinterpret_cast<GetCurrent>(dlsym(library, "cuCtxGetCurrent")),
+                          reinterpret_cast<GetResource>(dlsym(library, "cuCtxGetDevResource")));
+  }();
+  const auto [get_current, get_resource] = driver;
+  CUcontext context = nullptr;
+  CUdevResource resource{};
+  if (get_current == nullptr || get_resource == nullptr || get_current(&context) != CUDA_SUCCESS ||
+      context == nullptr || get_resource(context, &resource, CU_DEV_RESOURCE_TYPE_SM) != CUDA_SUCCESS) {
+    return 0;
+  }
+  return static_cast<int>(resource.sm.smCount);
+}
+
+}  // namespace
+
 bool cooperative_fits(const void* kernel, int blocks) {
   static std::mutex mutex;
   static std::map<std::pair<int, const void*>, int> resident;  // blocks per SM
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   if (!props->cooperativeLaunch) return false;
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto found = resident.find({c10::cuda::current_device(), kernel});
-  if (found == resident.end()) {
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
-    found = resident.emplace(std::make_pair(c10::cuda::current_device(), kernel), n).first;
+  int per_sm = 0;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto found = resident.find({c10::cuda::current_device(), kernel});
+    if (found == resident.end()) {
+      int n = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+      found = resident.emplace(std::make_pair(c10::cuda::current_device(), kernel), n).first;
+    }
+    per_sm = found->second;
   }
-  return static_cast<int64_t>(found->second) * sm_budget() >= blocks;
+  // A green context's SMs even where KernelConfig.sm_count does not say so: a graph captured
+  // with a launch too large for them would wait for ever on replay (the driver refuses it
+  // only when launched directly).
+  const int context = context_sms();
+  const int sms = context > 0 ? std::min(sm_budget(), context) : sm_budget();
+  return static_cast<int64_t>(per_sm) * sms >= blocks;
 }
 
 int wave_blocks() {

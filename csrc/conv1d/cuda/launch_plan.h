@@ -50,7 +50,7 @@ ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, at::ScalarType
 
 // Whether `blocks` blocks of `kernel` (kThreads threads, static shared memory only) can be
 // one cooperative launch: the device has them, and the blocks are resident at once within
-// the SM budget.
+// the SM budget and the current context's SMs (a green context's).
 bool cooperative_fits(const void* kernel, int blocks);
 
 // What a launch of `kernel` must opt into: beyond 48 KB of static + dynamic shared memory,
