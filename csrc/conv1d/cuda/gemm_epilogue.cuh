@@ -222,6 +222,26 @@ __device__ __forceinline__ void normalize_held(const StreamArgs& a, int b, int g
   }
 }
 
+// Which slice a block of the sliced epilogue holds: its (batch, group) unit, the slice within
+// it, and the slice's elements lo..lo + n of the group's count (cpg channels x L positions).
+struct GroupSlice {
+  int unit, slice, b, g, L, cpg, count, lo, n;
+};
+
+__device__ __forceinline__ GroupSlice group_slice_of(const StreamArgs& a, const GroupSlices& s) {
+  GroupSlice q;
+  q.unit = blockIdx.x / s.slices;
+  q.slice = blockIdx.x % s.slices;
+  q.b = q.unit / a.groups;
+  q.g = q.unit % a.groups;
+  q.L = a.lout;
+  q.cpg = a.cout / a.groups;
+  q.count = q.cpg * q.L;
+  q.lo = q.slice * s.slice_len;
+  q.n = min(s.slice_len, q.count - q.lo);
+  return q;
+}
+
 // Thread 0 of each of a group's `slices` blocks: counts in on the group's counter, waits
 // until all have, then counts out; the last out zeroes it, as every op's counters are between
 // launches. Each count is a release of what the block stored before (its moments) and an
@@ -242,27 +262,24 @@ template <typename T, typename Pre>
 __global__ void __launch_bounds__(kThreads)
     group_slices_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
   __shared__ float scratch[kWarps];
-  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
-  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
-  const int cpg = a.cout / a.groups, count = cpg * L;
-  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = lo + threadIdx.x + j * kThreads;
-    if (i < lo + n) {
-      v[j] = pre(g * cpg + i / L, b * L + i % L);
-      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
+    const int i = q.lo + threadIdx.x + j * kThreads;
+    if (i < q.lo + q.n) {
+      v[j] = pre(q.g * q.cpg + i / q.L, q.b * q.L + i % q.L);
+      e[j] = load_epilogue<T>(a, q.b, q.g * q.cpg + i / q.L, i % q.L);
     }
   }
-  const float2 moments = held_moments(v, n, scratch);
+  const float2 moments = held_moments(v, q.n, scratch);
   if (threadIdx.x == 0) {
-    s.moments[static_cast<int64_t>(unit) * s.slices + slice] = moments;
-    slices_meet(a.counters + unit, s.slices);
+    s.moments[static_cast<int64_t>(q.unit) * s.slices + q.slice] = moments;
+    slices_meet(a.counters + q.unit, s.slices);
   }
   __syncthreads();
-  normalize_held<T>(a, b, g, lo, n, v, e, merged_slice_stats(a, s, unit, count));
+  normalize_held<T>(a, q.b, q.g, q.lo, q.n, v, e, merged_slice_stats(a, s, q.unit, q.count));
 }
 
 // The two launches' first: the slice's pre-activations and moments, stored.
@@ -270,21 +287,18 @@ template <typename T, typename Pre>
 __global__ void __launch_bounds__(kThreads)
     group_slice_moments_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
   __shared__ float scratch[kWarps];
-  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
-  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
-  const int cpg = a.cout / a.groups, count = cpg * L;
-  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = lo + threadIdx.x + j * kThreads;
-    if (i < lo + n) {
-      v[j] = pre(g * cpg + i / L, b * L + i % L);
-      s.pre[static_cast<int64_t>(unit) * count + i] = v[j];
+    const int i = q.lo + threadIdx.x + j * kThreads;
+    if (i < q.lo + q.n) {
+      v[j] = pre(q.g * q.cpg + i / q.L, q.b * q.L + i % q.L);
+      s.pre[static_cast<int64_t>(q.unit) * q.count + i] = v[j];
     }
   }
-  const float2 moments = held_moments(v, n, scratch);
-  if (threadIdx.x == 0) s.moments[static_cast<int64_t>(unit) * s.slices + slice] = moments;
+  const float2 moments = held_moments(v, q.n, scratch);
+  if (threadIdx.x == 0) s.moments[static_cast<int64_t>(q.unit) * s.slices + q.slice] = moments;
 }
 
 // Second launch: the group's statistics from its slices' moments, then the slice normalized.
@@ -292,21 +306,18 @@ __global__ void __launch_bounds__(kThreads)
 // round trip overlaps it.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s) {
-  const int unit = blockIdx.x / s.slices, slice = blockIdx.x % s.slices;
-  const int b = unit / a.groups, g = unit % a.groups, L = a.lout;
-  const int cpg = a.cout / a.groups, count = cpg * L;
-  const int lo = slice * s.slice_len, n = min(s.slice_len, count - lo);
+  const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
 #pragma unroll
   for (int j = 0; j < kHeldPerThread; ++j) {
-    const int i = lo + threadIdx.x + j * kThreads;
-    if (i < lo + n) {
-      v[j] = __ldcg(s.pre + static_cast<int64_t>(unit) * count + i);
-      e[j] = load_epilogue<T>(a, b, g * cpg + i / L, i % L);
+    const int i = q.lo + threadIdx.x + j * kThreads;
+    if (i < q.lo + q.n) {
+      v[j] = __ldcg(s.pre + static_cast<int64_t>(q.unit) * q.count + i);
+      e[j] = load_epilogue<T>(a, q.b, q.g * q.cpg + i / q.L, i % q.L);
     }
   }
-  normalize_held<T>(a, b, g, lo, n, v, e, merged_slice_stats(a, s, unit, count));
+  normalize_held<T>(a, q.b, q.g, q.lo, q.n, v, e, merged_slice_stats(a, s, q.unit, q.count));
 }
 
 // The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
