@@ -94,6 +94,15 @@ class KernelConfig:
     # by up to 8 µs about as often as it shortened them.
     side_stream: bool = True
     side_stream_fp32_max_positions: int = 256
+    # fp32 convs on the GEMM route (im2col form): the most slices of the reduction their cuBLAS
+    # GEMM is cut into where it is a few tiles (gemm_route.h's gemm_splits; 1: never). H100,
+    # DDPM-100, fp32 ms per action (scripts/benchmark.py --ours-only), 16 / 1 / 16: LeRobot's
+    # U-Net at batch 1, horizon 32 81.57 / 83.06 / 81.25, 64 102.25 / 115.38 / 101.94, 128
+    # 109.48 / 122.01 / 109.49; at batch 8, horizon 16: lowdim 58.15 / 66.89 / 58.58, image
+    # 109.04 / 117.69 / 109.05, LeRobot's 108.84 / 117.53 / 109.01; batch 64 unchanged (no
+    # split). 32 / 16 / 32 at batch 1: horizon 64 100.76 / 102.22 / 100.88, 128 108.35 /
+    # 109.60 / 108.59.
+    fp32_gemm_max_splits: int = 32
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1.
     clusters: bool = True
@@ -174,7 +183,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
         return
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
                                 config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
-                                config.side_stream_fp32_max_positions,
+                                config.side_stream_fp32_max_positions, config.fp32_gemm_max_splits,
                                 config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
                                 config.sm_count or 0, process_default)
@@ -243,6 +252,25 @@ def _gemm_by_size(conv: nn.Module, positions: int, dtype: torch.dtype, config: K
         positions >= config.gemm_min_work_positions and _work(conv, positions) >= _min_work(conv, config)[1]) or (
         dtype != torch.float32 and positions >= config.portable_half_gemm_min_positions
         and portable_launches(config))
+
+
+# gemm_splits' constants (csrc/conv1d/cuda/gemm_route.cpp, which says why).
+_SPLIT_TILE, _SPLIT_MIN_DEPTH, _SPLIT_FEWEST = (128, 32), 128, 8
+
+
+def _gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: torch.device,
+                 config: KernelConfig) -> int:
+    """The slices of its reduction an im2col GEMM of `conv` is cut into (gemm_route.h's
+    gemm_splits; 1: whole): fp32, no transposed conv, on a GPU whose SMs are known here."""
+    if dtype != torch.float32 or isinstance(conv, nn.ConvTranspose1d) or not torch.cuda.is_available():
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = min(sms, config.sm_count) if config.sm_count else sms
+    tiles = -(-conv.out_channels // _SPLIT_TILE[0]) * -(-positions // _SPLIT_TILE[1])
+    most, depth, splits = min(config.fp32_gemm_max_splits, 2 * sms // tiles), conv.in_channels * conv.kernel_size[0], 1
+    while 2 * splits <= most and depth % (2 * splits) == 0 and depth // (2 * splits) >= _SPLIT_MIN_DEPTH:
+        splits *= 2
+    return splits if splits >= _SPLIT_FEWEST else 1
 
 
 def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
@@ -325,6 +353,11 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)
     taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config)
     sized = conv  # the conv whose size decides the route
+
+    def sliced(gemm_conv: nn.Module) -> str:
+        splits = _gemm_splits(gemm_conv, positions, dtype, device, config)
+        return f", {splits} slices" if splits > 1 else ""
+
     paired = False
     if block is not None:
         first, second = block.blocks[0].block[0], block.blocks[1].block[0]
@@ -335,8 +368,12 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
             group = first.out_channels // block.blocks[0].block[1].num_groups * length
             layout = ", taps-major" if taps else ""
             if group <= _BLOCK_OP_MAX_GROUP:
+                # The op's shortcut GEMM is never split.
+                if not taps and conv is not block.residual_conv:
+                    layout = sliced(conv)
                 return ConvRoute(name, described, "GEMM, block op" + layout,
                                  "its residual block runs as one op on the GEMM route")
+            layout = layout or sliced(conv)
             # The shortcut runs on its first conv's route.
             why = ("as its block's first conv, "
                    + _gemm_reason(first, positions, dtype, _taps_major_pays(first, batch, length, dtype, config), config)
@@ -348,7 +385,7 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         sized = first if paired else conv
     why = _gemm_reason(sized, positions, dtype, taps, config)
     if why is not None:
-        return ConvRoute(name, described, "GEMM, taps-major" if taps else "GEMM",
+        return ConvRoute(name, described, "GEMM" + (", taps-major" if taps else sliced(conv)),
                          why + ("; with the block's first conv, in one op" if paired else ""))
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
     below = ("multiply-adds {} < {} {}".format(_work(sized, positions), *_min_work(sized, config))

@@ -86,6 +86,7 @@ def check(shape, dtype, device, seed=0, with_residual=True, taps_major=False):
     torch.testing.assert_close(out.cpu().double(),
                                reference(x, w, b, stride, padding, transposed, residual),
                                **TOLERANCES[dtype])
+    return out
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -81,6 +81,7 @@ def check(shape, dtype, device, seed=0, taps_major=False):
     assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
     torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups),
                                **TOLERANCES[dtype])
+    return out
 
 
 def cpu_cost(shape):

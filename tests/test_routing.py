@@ -22,6 +22,7 @@ def test_defaults_and_package_exports():
     ("gemm_min_positions", 3.0, TypeError, "KernelConfig.gemm_min_positions must be an int, got 3.0"),
     ("gemm_min_positions", True, TypeError, "KernelConfig.gemm_min_positions must be an int, got True"),
     ("side_stream_fp32_max_positions", -1, ValueError, "KernelConfig.side_stream_fp32_max_positions must be in"),
+    ("fp32_gemm_max_splits", 0, ValueError, "KernelConfig.fp32_gemm_max_splits must be in [1, 2**63), got 0"),
     ("clusters", 1, TypeError, "KernelConfig.clusters must be a bool, got 1"),
     ("pdl", "no", TypeError, "KernelConfig.pdl must be a bool, got 'no'"),
     ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
@@ -189,8 +190,16 @@ def test_explain_names_every_conv_and_its_route():
     assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
     # In fp32 the 2048-channel convs at 16 positions (2048 x 2048 x 5 x 16 multiply-adds) take
     # the GEMM route by their work; the 1024-channel ones do not (1024 x 1024 x 5 x 16).
+    # On a GPU of 128+ SMs their GEMM (2048 rows over 16 positions: 16 of cuBLAS's 128 x 32
+    # tiles) is cut into 16 slices of its reduction (gemm_splits); without a GPU here, or with
+    # fp32_gemm_max_splits 1, it is whole.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+    with torch.device("meta"), kernel_config(fp32_gemm_max_splits=1):
+        whole = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
     for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0"):
-        assert wide[module].route == "GEMM" and "multiply-adds" in wide[module].why, wide[module]
+        assert wide[module].route.startswith("GEMM") and "multiply-adds" in wide[module].why, wide[module]
+        assert wide[module].route == ("GEMM, 16 slices" if sms >= 128 else "GEMM") or 0 < sms < 128, wide[module]
+        assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     for module in ("up_modules.0.1.blocks.0.block.0", "down_modules.1.2.conv"):
         assert wide[module].route.startswith("streaming"), wide[module]

@@ -30,6 +30,9 @@ struct KernelConfig {
   // On the GEMM route, a residual block's 1x1 shortcut GEMM runs on a side stream, in fp32
   // only below this many positions (half precision: always).
   int64_t side_stream_fp32_max_positions;
+  // The most slices an fp32 conv's im2col GEMM is cut into along its reduction (1: never cut;
+  // gemm_route.h's gemm_splits).
+  int64_t fp32_gemm_max_splits;
   bool side_stream;
   // Streaming convs as thread-block clusters (Hopper) where their plan fits.
   bool clusters;

@@ -163,6 +163,15 @@ StreamKernel cluster_transposed_kernel(bool vectorised);
 // taps are rows, each output adds up the taps that land on it (col2im), in tap order.
 enum class GemmForm { kIm2col, kTapRows, kTransposed };
 
+// A GEMM-route conv's GEMM result in device memory: of the form's rows over every position,
+// or (kIm2col only) `splits` partial sums over consecutive slices of the reduction,
+// split_stride elements apart, which the epilogue adds up in slice order (gemm_splits).
+struct GemmResult {
+  const void* data;
+  int splits;
+  int64_t split_stride;
+};
+
 // Which columns the GEMM route's im2col builds: cols[c * taps + k][b * length + l] =
 // x[b, c, l * stride + k - pad], zeros outside x. A conv's are its taps at its output
 // positions; a transposed conv's GEMM reads x itself, one column per input position.
@@ -223,13 +232,13 @@ void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols);
 // rows): one block per (batch row, group) holding it (group_held), or with slices.slices > 1
 // one per slice of one (no io options then).
 template <typename T>
-void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
+void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices);
 // Whether the sliced epilogue of the form fits one cooperative launch of `blocks` blocks.
 template <typename T>
 bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks);
 // The plain conv's epilogue (bias, residual) over `pre`, into a.out ([B, C_out, L_out]).
 template <typename T>
-void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form);
+void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form);
 
 }  // namespace dpa

@@ -14,23 +14,12 @@
 
 namespace dpa {
 
-// The GEMM route's pre-activations: a cuBLAS result [C_out, B * L] without the bias, which
-// is added here (addmm would first copy it into every column of the output, a launch).
-template <typename T>
-struct GemmPre {
-  const T* p;
-  int64_t stride;
-  const void* bias;
-  __device__ float operator()(int c, int n) const {
-    return static_cast<float>(p[c * stride + n]) + (bias ? load_float<T>(bias, c) : 0.f);
-  }
-};
-
 // One output's sum over taps k = 0..taps-1, in tap order, of rows[index(k)] (index < 0: the
-// tap adds nothing), from a GEMM result whose rows are (channel, tap). The loads go out in
-// batches, unrolled, before any add, so that a batch costs one memory round trip: an add
-// waiting on each tap's load in turn made the GroupNorm epilogue ~2.5 µs a launch slower.
-// kTaps > 0: exactly that many taps, in one batch.
+// tap adds nothing), from a GEMM result whose rows are (channel, tap); also a split GEMM's
+// partial sums, one "tap" per split. The loads go out in batches, unrolled, before any add,
+// so that a batch costs one memory round trip: an add waiting on each tap's load in turn made
+// the GroupNorm epilogue ~2.5 µs a launch slower. kTaps > 0: exactly that many taps, in one
+// batch.
 template <int kTaps, typename P, typename Index>
 __device__ __forceinline__ float sum_tap_rows(const P* rows, int taps, const Index& index) {
   constexpr int kBatch = kTaps > 0 ? kTaps : 8;
@@ -47,6 +36,29 @@ __device__ __forceinline__ float sum_tap_rows(const P* rows, int taps, const Ind
     for (int i = 0; i < kBatch; ++i) v += t[i];
   }
   return v;
+}
+
+// The GEMM route's pre-activations: a cuBLAS result [C_out, B * L] without the bias, which
+// is added here (addmm would first copy it into every column of the output, a launch); or
+// its `splits` partial sums over slices of the reduction (GemmResult), added up in slice order.
+template <typename T>
+struct GemmPre {
+  const T* p;
+  int64_t stride;
+  const void* bias;
+  int splits;
+  int64_t split_stride;
+  __device__ float operator()(int c, int n) const {
+    const int64_t at = c * stride + n;
+    const float v = splits == 1 ? static_cast<float>(p[at])
+                                : sum_tap_rows<0>(p, splits, [&](int s) { return s * split_stride + at; });
+    return v + (bias ? load_float<T>(bias, c) : 0.f);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ GemmPre<T> gemm_pre(const StreamArgs& a, const GemmResult& result) {
+  return GemmPre<T>{static_cast<const T*>(result.data), a.positions, a.bias, result.splits, result.split_stride};
 }
 
 // The GEMM route's pre-activations where the weight's taps are GEMM rows (a taps-major
@@ -158,8 +170,8 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    group_norm_epilogue_kernel(const StreamArgs a, const T* result, const GemmEpilogueIo io) {
-  group_norm_epilogue<T>(a, GemmPre<T>{result, static_cast<int64_t>(a.batch) * a.lout, a.bias}, io);
+    group_norm_epilogue_kernel(const StreamArgs a, const GemmResult result, const GemmEpilogueIo io) {
+  group_norm_epilogue<T>(a, gemm_pre<T>(a, result), io);
 }
 
 // Here the functor is a kernel parameter: built in the kernel from a (as GemmPre is, which
@@ -323,14 +335,15 @@ __global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const S
 // The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
 // result (GemmForm), written as [B, C_out, L_out]. The host keeps every index below 2^31.
 template <typename T, typename P>
-__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const P* pre,
+__global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const GemmResult result,
                                                                  GemmForm form) {
   const int i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= a.batch * a.cout * a.lout) return;
   const int row = i / a.lout, o = i - row * a.lout, b = row / a.cout, c = row - b * a.cout;
+  const P* pre = static_cast<const P*>(result.data);
   float v;
   if (form == GemmForm::kIm2col) {
-    v = static_cast<float>(pre[c * a.positions + b * a.lout + o]);
+    v = GemmPre<P>{pre, a.positions, nullptr, result.splits, result.split_stride}(c, b * a.lout + o);
   } else {
     v = sum_tap_rows<0>(pre, a.ksize, [&](int k) -> int64_t {
       int in;  // the input position whose tap k lands on output o
@@ -399,10 +412,12 @@ void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
 // f(pre functor) for the GEMM result of the form: TapRowsPre, Diffusion Policy's kernel sizes
 // compiled in, or GemmPre.
 template <typename T, typename F>
-void with_pre(const StreamArgs& a, const void* pre, GemmForm form, const F& f) {
-  if (form != GemmForm::kTapRows) return f(GemmPre<T>{static_cast<const T*>(pre), a.positions, a.bias});
+void with_pre(const StreamArgs& a, const GemmResult& pre, GemmForm form, const F& f) {
+  if (form != GemmForm::kTapRows) {
+    return f(GemmPre<T>{static_cast<const T*>(pre.data), a.positions, a.bias, pre.splits, pre.split_stride});
+  }
   const auto rows = [&](auto taps) {
-    return TapRowsPre<T, decltype(taps)::value>{static_cast<const float*>(pre), a.positions, a.bias, a.ksize,
+    return TapRowsPre<T, decltype(taps)::value>{static_cast<const float*>(pre.data), a.positions, a.bias, a.ksize,
                                                 a.pad, a.lout};
   };
   if (a.ksize == 5) return f(rows(std::integral_constant<int, 5>{}));
@@ -413,7 +428,7 @@ void with_pre(const StreamArgs& a, const void* pre, GemmForm form, const F& f) {
 template <typename T>
 bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks) {
   bool fits = false;
-  with_pre<T>(a, nullptr, form, [&](const auto& rows) {
+  with_pre<T>(a, GemmResult{}, form, [&](const auto& rows) {
     using Pre = std::decay_t<decltype(rows)>;
     fits = cooperative_fits(reinterpret_cast<const void*>(group_slices_kernel<T, Pre>), blocks);
   });
@@ -421,7 +436,7 @@ bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks) {
 }
 
 template <typename T>
-void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm form,
+void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int units = a.batch * a.groups;
@@ -446,7 +461,7 @@ void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm f
       group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices);
     });
   } else if (form != GemmForm::kTapRows) {
-    group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), io);
+    group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, pre, io);
   } else {
     with_pre<T>(a, pre, form, [&](const auto& rows) {
       if constexpr (!std::is_same_v<std::decay_t<decltype(rows)>, GemmPre<T>>) {
@@ -458,14 +473,14 @@ void launch_group_norm_epilogue(const StreamArgs& a, const void* pre, GemmForm f
 }
 
 template <typename T>
-void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form) {
+void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form) {
   const int64_t outputs = static_cast<int64_t>(a.batch) * a.cout * a.lout;
   const int blocks = static_cast<int>((outputs + kThreads - 1) / kThreads);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (form == GemmForm::kIm2col) {
-    conv_epilogue_kernel<T><<<blocks, kThreads, 0, stream>>>(a, static_cast<const T*>(pre), form);
+    conv_epilogue_kernel<T, T><<<blocks, kThreads, 0, stream>>>(a, pre, form);
   } else {
-    conv_epilogue_kernel<T><<<blocks, kThreads, 0, stream>>>(a, static_cast<const float*>(pre), form);
+    conv_epilogue_kernel<T, float><<<blocks, kThreads, 0, stream>>>(a, pre, form);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -473,9 +488,9 @@ void launch_conv_epilogue(const StreamArgs& a, const void* pre, GemmForm form) {
 // The GEMM route's kernels of dtype T, in one translation unit.
 #define DPA_INSTANTIATE_GEMM_EPILOGUE(T)                                                              \
   template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*);                          \
-  template void launch_group_norm_epilogue<T>(const StreamArgs&, const void*, GemmForm,               \
+  template void launch_group_norm_epilogue<T>(const StreamArgs&, const GemmResult&, GemmForm,        \
                                               const GemmEpilogueIo&, const GroupSlices&);             \
   template bool group_slices_fit<T>(const StreamArgs&, GemmForm, int);                                 \
-  template void launch_conv_epilogue<T>(const StreamArgs&, const void*, GemmForm);
+  template void launch_conv_epilogue<T>(const StreamArgs&, const GemmResult&, GemmForm);
 
 }  // namespace dpa

@@ -55,10 +55,20 @@ at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form
 // The GEMM's B operand: tap_rows_view where it has one, else im2col.
 at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form);
 
+// How many slices of its reduction an fp32 conv's im2col GEMM is cut into (1: none). cuBLAS's
+// SIMT SGEMMs (TF32 off) tile [C_out, positions], so a batch-1 layer of a long horizon is a
+// few tiles, each a long reduction: LeRobot's 2048-channel layers over 16 positions are 16
+// tiles on 132 SMs. Split into up to KernelConfig.fp32_gemm_max_splits slices (no more than
+// fill the SMs twice, none shorter than 128, and 8 or more or none), the GEMM is one
+// strided-batched call, and the epilogue adds the partial sums as it reads them: LeRobot's
+// U-Net at horizon 64, batch 1, DDPM-100, fp32, 115.4 -> 100.8 ms on an H100 (routing.py).
+int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
+
 // One cuBLAS GEMM over every position (tensor cores for fp16 / bf16; fp32 follows
 // torch.backends.cuda.matmul.allow_tf32, off by default): the [m, positions] result without
-// the bias, which the epilogue adds. The weight is read in place (a transposed conv's
-// [C_in, C_out * K] as the transposed operand).
+// the bias, which the epilogue adds, or [splits, m, positions] partial sums (gemm_splits).
+// The weight is read in place (a transposed conv's [C_in, C_out * K] as the transposed
+// operand).
 at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form);
 at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form);
 
