@@ -66,8 +66,11 @@ class KernelConfig:
     # positions (bench_conv_blocks.py --sweep-paths): 1024->2048 (168M) 57.3 / 41.9 µs,
     # 2048->2048 (335M) 91.1 / 66.7, but 4096->1024 (335M) 83.6 / 87.7; at 84M (1024->1024,
     # 2048->512) streaming was as fast or faster (26.3 / 35.9). With 2^27 LeRobot's default
-    # action at horizon 64, batch 1, DDPM-100 took 117.0 against 137.5 ms in fp32.
-    gemm_min_work: int = 1 << 27
+    # action at horizon 64, batch 1, DDPM-100 took 117.0 against 137.5 ms in fp32. Once fp32
+    # GEMMs were cut into slices (fp32_gemm_max_splits), 2^26 took those 84M convs too: H100,
+    # fp32 ms, 2^26 / 2^27 / 2^26, batch 1 horizon 32 80.27 / 81.64 / 80.59, horizon 64
+    # 98.55 / 100.50 / 98.87; batch 2 within 0.2%; the horizon-16 U-Nets' routes unchanged.
+    gemm_min_work: int = 1 << 26
     gemm_min_work_positions: int = 16
     # ... and, where the ops launch without Hopper's clusters and programmatic dependent
     # launch (GPUs before Hopper, or both switched off), half-precision convs from this many

@@ -188,21 +188,23 @@ def test_explain_names_every_conv_and_its_route():
         assert h32_streaming[module].route.startswith("streaming"), h32_streaming[module]
     assert h32["up_modules.0.1.blocks.0.block.0"].route.startswith("streaming")
     assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
-    # In fp32 the 2048-channel convs at 16 positions (2048 x 2048 x 5 x 16 multiply-adds) take
-    # the GEMM route by their work; the 1024-channel ones do not (1024 x 1024 x 5 x 16).
-    # On a GPU of 128+ SMs their GEMM (2048 rows over 16 positions: 16 of cuBLAS's 128 x 32
-    # tiles) is cut into 16 slices of its reduction (gemm_splits); without a GPU here, or with
-    # fp32_gemm_max_splits 1, it is whole.
+    # In fp32 the 2048- and 1024-channel convs at 16 positions (2048 x 2048 x 5 x 16 and
+    # 1024 x 1024 x 5 x 16 multiply-adds) take the GEMM route by their work; the stride-2
+    # downsampling conv (1024 x 1024 x 3 x 16) does not.
+    # On a GPU of 128+ SMs their GEMMs are cut into slices of the reduction (gemm_splits): 2048
+    # rows over 16 positions (16 of cuBLAS's 128 x 32 tiles) into 16, 1024 rows (8 tiles) into
+    # 32. Without a GPU here, or with fp32_gemm_max_splits 1, they are whole.
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
     with torch.device("meta"), kernel_config(fp32_gemm_max_splits=1):
         whole = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
-    for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0"):
+    for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0",
+                   "up_modules.0.1.blocks.0.block.0"):
         assert wide[module].route.startswith("GEMM") and "multiply-adds" in wide[module].why, wide[module]
-        assert wide[module].route == ("GEMM, 16 slices" if sms >= 128 else "GEMM") or 0 < sms < 128, wide[module]
+        slices = "GEMM, 16 slices" if module != "up_modules.0.1.blocks.0.block.0" else "GEMM, 32 slices"
+        assert wide[module].route == (slices if sms >= 128 else "GEMM") or 0 < sms < 128, wide[module]
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
-    for module in ("up_modules.0.1.blocks.0.block.0", "down_modules.1.2.conv"):
-        assert wide[module].route.startswith("streaming"), wide[module]
+    assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
     # The upsampling conv over 16 positions (1024 x 1024 x 4 x 16): the GEMM route by
     # transposed_gemm_min_work, in both precisions; the horizon-16 U-Nets' (at most 8) stream.
     for routes in (wide, deep):
