@@ -239,22 +239,24 @@ def _min_work(conv: nn.Module, config: KernelConfig) -> Tuple[str, int]:
     return "gemm_min_work", config.gemm_min_work
 
 
-def portable_launches(config: Optional[KernelConfig] = None) -> bool:
+def portable_launches(config: Optional[KernelConfig] = None, device: Optional[torch.device] = None) -> bool:
     """Whether the CUDA ops launch without Hopper's clusters and programmatic dependent launch:
-    the current GPU is older than Hopper, or `config` (default: the calling thread's) turns
-    both off. Without a GPU here, as on Hopper."""
+    `device` (default: the current CUDA device; the ops ask their input's) is older than
+    Hopper, or `config` (default: the calling thread's) turns both off. Without a GPU here, as
+    on Hopper."""
     config = config or current_kernel_config()
     if not (config.clusters or config.pdl):
         return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9
 
 
-def _gemm_by_size(conv: nn.Module, positions: int, dtype: torch.dtype, config: KernelConfig) -> bool:
+def _gemm_by_size(conv: nn.Module, positions: int, dtype: torch.dtype, config: KernelConfig,
+                  device: Optional[torch.device]) -> bool:
     """The ops' own rule for a contiguous weight (csrc/conv1d/cuda/gemm_route.h)."""
     return positions >= config.gemm_min_positions or (
         positions >= config.gemm_min_work_positions and _work(conv, positions) >= _min_work(conv, config)[1]) or (
         dtype != torch.float32 and positions >= config.portable_half_gemm_min_positions
-        and portable_launches(config))
+        and portable_launches(config, device))
 
 
 # gemm_splits' constants (csrc/conv1d/cuda/gemm_route.cpp, which says why).
@@ -276,7 +278,8 @@ def _gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: to
     return splits if splits >= _SPLIT_FEWEST else 1
 
 
-def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig) -> bool:
+def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig,
+                     device: Optional[torch.device]) -> bool:
     if (dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
             or conv.in_channels < config.taps_major_min_in_channels):
         return False
@@ -284,20 +287,20 @@ def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtyp
     work = conv.in_channels * conv.out_channels * positions
     if batch == 1 and positions >= 8 and work >= config.taps_major_min_work_batch_1:
         return True
-    return _gemm_by_size(conv, positions, dtype, config) or (
+    return _gemm_by_size(conv, positions, dtype, config, device) or (
         positions >= (8 if batch >= 2 else 16) and work >= config.taps_major_min_work)
 
 
 def _block_op_pays(first: nn.Conv1d, second: nn.Conv1d, batch: int, length: int, dtype: torch.dtype,
-                   config: KernelConfig) -> bool:
-    return all(_gemm_by_size(conv, batch * length, dtype, config)
-               or _taps_major_pays(conv, batch, length, dtype, config) for conv in (first, second))
+                   config: KernelConfig, device: Optional[torch.device]) -> bool:
+    return all(_gemm_by_size(conv, batch * length, dtype, config, device)
+               or _taps_major_pays(conv, batch, length, dtype, config, device) for conv in (first, second))
 
 
 def on_gemm_route(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     """Whether `conv` (contiguous weight, keeping x's length) over x takes the CUDA ops' im2col +
     cuBLAS route."""
-    return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], x.dtype, current_kernel_config())
+    return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], x.dtype, current_kernel_config(), x.device)
 
 
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
@@ -306,7 +309,8 @@ def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     GEMM route or, below it, enough work (8+ positions at batch 2+; at batch 1 16+, or 8+ with
     taps_major_min_work_batch_1). In fp32, cuBLAS's GEMMs over C_in (SIMT, no tensor cores)
     made steps 4-9% slower at batch 64 and the image U-Net's at batch 8."""
-    return x.is_cuda and _taps_major_pays(conv, x.shape[0], x.shape[2], conv.weight.dtype, current_kernel_config())
+    return x.is_cuda and _taps_major_pays(conv, x.shape[0], x.shape[2], conv.weight.dtype, current_kernel_config(),
+                                          x.device)
 
 
 def block_op_pays(first: nn.Conv1d, second: nn.Conv1d, x: torch.Tensor) -> bool:
@@ -316,7 +320,7 @@ def block_op_pays(first: nn.Conv1d, second: nn.Conv1d, x: torch.Tensor) -> bool:
     saves (4-5% per step at batch 8 and 64 in half precision). On the streaming route each
     conv is one launch already, and the per-conv ops keep per-layer profiling as it is."""
     return x.is_cuda and _block_op_pays(first, second, x.shape[0], x.shape[2], first.weight.dtype,
-                                        current_kernel_config())
+                                        current_kernel_config(), x.device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -354,7 +358,7 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     # The ops' GEMM N: output positions, or for a transposed conv input positions.
     kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
     positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)
-    taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config)
+    taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config, device)
     sized = conv  # the conv whose size decides the route
 
     def sliced(gemm_conv: nn.Module) -> str:
@@ -367,7 +371,7 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         # A block with a shortcut runs its first conv and the shortcut as one
         # conv1d_gn_mish_shortcut, on the first conv's route, with the contiguous weight.
         paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)
-        if _block_op_pays(first, second, batch, length, dtype, config):
+        if _block_op_pays(first, second, batch, length, dtype, config, device):
             group = first.out_channels // block.blocks[0].block[1].num_groups * length
             layout = ", taps-major" if taps else ""
             if group <= _BLOCK_OP_MAX_GROUP:
@@ -379,14 +383,15 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
             layout = layout or sliced(conv)
             # The shortcut runs on its first conv's route.
             why = ("as its block's first conv, "
-                   + _gemm_reason(first, positions, dtype, _taps_major_pays(first, batch, length, dtype, config), config)
-                   if conv is block.residual_conv else _gemm_reason(conv, positions, dtype, taps, config))
+                   + _gemm_reason(first, positions, dtype, _taps_major_pays(first, batch, length, dtype, config, device),
+                                  config, device)
+                   if conv is block.residual_conv else _gemm_reason(conv, positions, dtype, taps, config, device))
             return ConvRoute(name, described, "GEMM" + layout,
                              f"{why}; its residual block's op runs per conv: a GroupNorm group of {group} "
                              f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
         taps = taps and not paired
         sized = first if paired else conv
-    why = _gemm_reason(sized, positions, dtype, taps, config)
+    why = _gemm_reason(sized, positions, dtype, taps, config, device)
     if why is not None:
         return ConvRoute(name, described, "GEMM" + (", taps-major" if taps else sliced(conv)),
                          why + ("; with the block's first conv, in one op" if paired else ""))
@@ -400,7 +405,7 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
 
 
 def _gemm_reason(conv: nn.Module, positions: int, dtype: torch.dtype, taps: bool,
-                 config: KernelConfig) -> Optional[str]:
+                 config: KernelConfig, device: Optional[torch.device]) -> Optional[str]:
     """Why `conv` over `positions` takes the GEMM route (None: it streams)."""
     if positions >= config.gemm_min_positions:
         return f"batch x length {positions} >= gemm_min_positions {config.gemm_min_positions}"
@@ -408,7 +413,7 @@ def _gemm_reason(conv: nn.Module, positions: int, dtype: torch.dtype, taps: bool
             and _work(conv, positions) >= _min_work(conv, config)[1]):
         return (f"batch x length {positions} >= gemm_min_work_positions {config.gemm_min_work_positions} and "
                 "multiply-adds {} >= {} {}".format(_work(conv, positions), *_min_work(conv, config)))
-    if _gemm_by_size(conv, positions, dtype, config):
+    if _gemm_by_size(conv, positions, dtype, config, device):
         return (f"half precision without Hopper's clusters and programmatic dependent launch, batch x length "
                 f"{positions} >= portable_half_gemm_min_positions {config.portable_half_gemm_min_positions}")
     if taps:

@@ -251,3 +251,20 @@ def test_explain_matches_what_the_model_runs(batch, dtype, monkeypatch):
     routes = explain(unet, batch, 16)
     explained = [r for r in routes if r.module.endswith("blocks.0.block.0") and "block op" in r.route]
     assert len(explained) == len(calls)
+
+
+def test_portable_launches_asks_the_inputs_device(monkeypatch):
+    """On a host with GPUs of two architectures the rule follows the device the conv runs on,
+    as the ops do (they ask their input's), not the current one. The capabilities are
+    stand-ins: this machine has at most one kind of GPU."""
+    capability = {0: (9, 0), 1: (8, 6)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda device=None: capability[torch.device(device or "cuda:0").index or 0])
+    assert not routing.portable_launches(device=torch.device("cuda:0"))
+    assert routing.portable_launches(device=torch.device("cuda:1"))
+    with torch.device("meta"):
+        routes = {d: explain(ConditionalUnet1D(2, global_cond_dim=8, down_dims=[256, 512, 1024]), 1, 16,
+                             dtype=torch.bfloat16, device=d) for d in ("cuda:0", "cuda:1")}
+    assert not any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:0"])
+    assert any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:1"])
