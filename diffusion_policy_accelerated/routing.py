@@ -104,7 +104,12 @@ class KernelConfig:
     # 109.48 / 122.01 / 109.49; at batch 8, horizon 16: lowdim 58.15 / 66.89 / 58.58, image
     # 109.04 / 117.69 / 109.05, LeRobot's 108.84 / 117.53 / 109.01; batch 64 unchanged (no
     # split). 32 / 16 / 32 at batch 1: horizon 64 100.76 / 102.22 / 100.88, 128 108.35 /
-    # 109.60 / 108.59.
+    # 109.60 / 108.59. 8 slices also where tiles x 8 fill the SMs at most four times (33-66
+    # tiles; batch 1 unchanged), new / old / new: LeRobot's batch 8 horizon 64 222.46 / 229.45 /
+    # 222.59, 128 387.67 / 393.85 / 387.57; batch 64 lowdim 133.92 / 139.60 / 133.22, image
+    # 374.08 / 378.70 / 374.37; batch 8 at horizons 16 and 32 within 0.5%. Up to 32 slices
+    # where they fill the SMs four times (not twice) lost at batch 1: horizon 64 101.51 /
+    # 99.14 / 101.58, 128 113.91 / 108.99 / 114.17.
     fp32_gemm_max_splits: int = 32
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1.
@@ -272,7 +277,10 @@ def _gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: to
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     sms = min(sms, config.sm_count) if config.sm_count else sms
     tiles = -(-conv.out_channels // _SPLIT_TILE[0]) * -(-positions // _SPLIT_TILE[1])
-    most, depth, splits = min(config.fp32_gemm_max_splits, 2 * sms // tiles), conv.in_channels * conv.kernel_size[0], 1
+    most = 2 * sms // tiles
+    if most < _SPLIT_FEWEST and _SPLIT_FEWEST * tiles <= 4 * sms:
+        most = _SPLIT_FEWEST
+    most, depth, splits = min(most, config.fp32_gemm_max_splits), conv.in_channels * conv.kernel_size[0], 1
     while 2 * splits <= most and depth % (2 * splits) == 0 and depth // (2 * splits) >= _SPLIT_MIN_DEPTH:
         splits *= 2
     return splits if splits >= _SPLIT_FEWEST else 1

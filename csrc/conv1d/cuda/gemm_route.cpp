@@ -91,7 +91,11 @@ at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
 int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
   if (form != GemmForm::kIm2col || cols.scalar_type() != at::kFloat) return 1;
   const int64_t tiles = ceil_div(a.m, kSplitTileRows) * ceil_div(a.positions, kSplitTileColumns);
-  const int64_t most = std::min<int64_t>(kernel_config().fp32_gemm_max_splits, 2 * sm_budget() / tiles);
+  const int64_t sms = sm_budget();
+  // As many slices as fill the SMs twice; 8 where that is fewer but 8 fill them 4 times at most.
+  int64_t most = 2 * sms / tiles;
+  if (most < kSplitFewest && kSplitFewest * tiles <= 4 * sms) most = kSplitFewest;
+  most = std::min<int64_t>(most, kernel_config().fp32_gemm_max_splits);
   int splits = 1;
   while (2 * splits <= most && a.red % (2 * splits) == 0 && a.red / (2 * splits) >= kSplitMinDepth) splits *= 2;
   return splits >= kSplitFewest ? splits : 1;

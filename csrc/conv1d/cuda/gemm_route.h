@@ -58,10 +58,11 @@ at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form)
 // How many slices of its reduction an fp32 conv's im2col GEMM is cut into (1: none). cuBLAS's
 // SIMT SGEMMs (TF32 off) tile [C_out, positions], so a batch-1 layer of a long horizon is a
 // few tiles, each a long reduction: LeRobot's 2048-channel layers over 16 positions are 16
-// tiles on 132 SMs. Split into up to KernelConfig.fp32_gemm_max_splits slices (no more than
-// fill the SMs twice, none shorter than 128, and 8 or more or none), the GEMM is one
-// strided-batched call, and the epilogue adds the partial sums as it reads them: LeRobot's
-// U-Net at horizon 64, batch 1, DDPM-100, fp32, 115.4 -> 100.8 ms on an H100 (routing.py).
+// tiles on 132 SMs. Split into up to KernelConfig.fp32_gemm_max_splits slices (as many as
+// fill the SMs twice, or 8 where that is fewer and 8 fill them four times at most; none
+// shorter than 128; 8 or more or none), the GEMM is one strided-batched call, and the
+// epilogue adds the partial sums as it reads them: LeRobot's U-Net at horizon 64, batch 1,
+// DDPM-100, fp32, 115.4 -> 100.8 ms on an H100 (routing.py has the measurements).
 int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
 
 // One cuBLAS GEMM over every position (tensor cores for fp16 / bf16; fp32 follows
