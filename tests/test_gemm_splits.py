@@ -49,15 +49,28 @@ def test_conv1d(shape):
     assert_split_ran(whole, split)
 
 
-def test_conv1d_gn_mish_shortcut():
-    # The first conv in 32 slices of 160, the shortcut (C_in 1024, one tap) in 8 of 128.
+# The block's first conv in 32 slices of 160 and its 1x1 shortcut (C_in 1024) in 8 of 128, each
+# output checked on its own: with the input given whole, split into x and skip (im2col reads
+# both), and with a taps-major first conv, whose fp32 GEMM is never cut (the same bits) while
+# the shortcut's reads x in place.
+@pytest.mark.parametrize("skip_from,taps_major", [(None, False), (512, False), (None, True)],
+                         ids=["x", "x and skip", "taps-major"])
+def test_conv1d_gn_mish_shortcut(skip_from, taps_major):
     shape = (1, 1024, 256, 32, 5, 8)
-    whole, split = whole_and_split(lambda: torch.cat(shortcut_tests.check(shape, torch.float32, "cuda")))
-    assert_split_ran(whole, split)
+    (out_whole, short_whole), (out_split, short_split) = whole_and_split(
+        lambda: shortcut_tests.check(shape, torch.float32, "cuda", skip_from=skip_from, taps_major=taps_major))
+    assert_split_ran(short_whole, short_split)
+    if taps_major:
+        assert torch.equal(out_whole, out_split), "a taps-major GEMM was cut"
+    else:
+        assert_split_ran(out_whole, out_split)
 
 
-def test_residual_block():
-    # One op on the GEMM route: the first conv in 32 slices of 160, the second in 8 of 160.
-    shape = (1, 1024, 256, 32, 5, 8)
-    whole, split = whole_and_split(lambda: block_tests.check(shape, torch.float32, "cuda")[2])
+# One op on the GEMM route. 1024 -> 256: the first conv in 32 slices of 160, the second in 8 of
+# 160, also with the input split into x and skip. 16 -> 256: only the second conv is cut (its
+# columns are the first epilogue's output, read transposed), so differing bits are its split's.
+@pytest.mark.parametrize("shape,skip_from", [((1, 1024, 256, 32, 5, 8), None), ((1, 1024, 256, 32, 5, 8), 512),
+                                             ((1, 16, 256, 32, 5, 8), None)], ids=str)
+def test_residual_block(shape, skip_from):
+    whole, split = whole_and_split(lambda: block_tests.check(shape, torch.float32, "cuda", skip_from=skip_from)[2])
     assert_split_ran(whole, split)

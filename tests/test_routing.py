@@ -201,7 +201,8 @@ def test_explain_names_every_conv_and_its_route():
                    "up_modules.0.1.blocks.0.block.0"):
         assert wide[module].route.startswith("GEMM") and "multiply-adds" in wide[module].why, wide[module]
         slices = "GEMM, 16 slices" if module != "up_modules.0.1.blocks.0.block.0" else "GEMM, 32 slices"
-        assert wide[module].route == (slices if sms >= 128 else "GEMM") or 0 < sms < 128, wide[module]
+        if sms == 0 or 128 <= sms < 256:  # the counts the rule gives there (gemm_splits)
+            assert wide[module].route == (slices if sms else "GEMM"), wide[module]
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
@@ -268,3 +269,29 @@ def test_portable_launches_asks_the_inputs_device(monkeypatch):
                              dtype=torch.bfloat16, device=d) for d in ("cuda:0", "cuda:1")}
     assert not any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:0"])
     assert any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:1"])
+
+
+@pytest.mark.parametrize("sms,out_channels,in_channels,kernel,positions,splits", [
+    (132, 2048, 2048, 5, 16, 16),   # 16 tiles: as many as fill the SMs twice
+    (132, 1024, 1024, 5, 16, 32),   # 8 tiles: 33, capped by fp32_gemm_max_splits
+    (132, 512, 512, 5, 64, 16),     # 8 tiles, but no slice shorter than 128 (2560 / 32 = 80)
+    (132, 2048, 2048, 5, 128, 8),   # 64 tiles: 8 fill the SMs four times at most
+    (132, 2048, 2048, 5, 512, 1),   # 256 tiles: not even 8
+    (132, 256, 16, 5, 64, 1),       # a reduction of 80: too short
+    (132, 256, 96, 5, 32, 1),       # a reduction of 480: 2 slices of 128+ at most, fewer than 8
+    (16, 2048, 2048, 5, 16, 1),     # 16 SMs (a green context): 2 slices, fewer than 8
+])
+def test_gemm_splits_rule(sms, out_channels, in_channels, kernel, positions, splits, monkeypatch):
+    """explain()'s mirror of the ops' gemm_splits on a stand-in GPU of `sms` SMs (no GPU is
+    needed), and in fp32 only: half precision and transposed convs are never cut."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: type("Properties", (), {"multi_processor_count": sms}))
+    conv = torch.nn.Conv1d(in_channels, out_channels, kernel, device="meta")
+    config = KernelConfig()
+    assert routing._gemm_splits(conv, positions, torch.float32, torch.device("cuda"), config) == splits
+    assert routing._gemm_splits(conv, positions, torch.bfloat16, torch.device("cuda"), config) == 1
+    transposed = torch.nn.ConvTranspose1d(in_channels, out_channels, kernel, device="meta")
+    assert routing._gemm_splits(transposed, positions, torch.float32, torch.device("cuda"), config) == 1
+    assert routing._gemm_splits(conv, positions, torch.float32, torch.device("cuda"),
+                                KernelConfig(fp32_gemm_max_splits=1)) == 1
