@@ -10,11 +10,15 @@ by input shapes. --side-stream instead times every residual block with a 1x1 sho
 shortcut's GEMM on a side stream and without (kernel_config(side_stream=...)), interleaved
 on, off, on. --taps-as-rows instead times every GroupNorm conv's GEMM at batch 8 and 64 as
 im2col builds it against the GEMM of a taps-major weight (ops.taps_major) with x itself, in
-both orientations, with results in x's dtype and in fp32.
+both orientations, with results in x's dtype and in fp32. --splits instead times the fp32
+GEMMs of LeRobot's U-Net's GroupNorm convs at long horizons whole and cut into 2 to 32 slices
+of the reduction (one strided-batched GEMM; the partial sums' addition is the epilogue's),
+beside the count gemm_splits takes (KernelConfig.fp32_gemm_max_splits).
 
     python scripts/dev/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/dev/profile_gemm_route.py --side-stream
     python scripts/dev/profile_gemm_route.py --taps-as-rows
+    python scripts/dev/profile_gemm_route.py --splits
 """
 import argparse
 from collections import defaultdict
@@ -24,7 +28,7 @@ import torch
 from diffusion_policy_accelerated import ConditionalUnet1D, ops
 from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_shapes
 from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.routing import KernelConfig, _gemm_splits, kernel_config
 
 WIDTHS = {name: UNETS[name]["down_dims"] for name in ("lowdim", "image")}
 
@@ -57,6 +61,30 @@ def taps_as_rows_table():
                     print(f"{unet[:8]:8} B{batch:<3} {cin:5}->{cout:<5} L{length:<3} {row[0] * 1e3:7.1f} | "
                           + " | ".join(f"{a * 1e3:7.1f} {b * 1e3:7.1f}" for a, b in zip(row[1::2], row[2::2])),
                           flush=True)
+
+
+def splits_table(horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8, 16, 32)):
+    """fp32 [M, cin*k] x [cin*k, N] whole against [S, M, cin*k/S] x [S, cin*k/S, N] for each
+    GroupNorm conv shape of LeRobot's U-Net, and the S the ops take for it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print("== fp32 us per GEMM: whole | " + " ".join(f"{s:>6}" for s in counts) + " slices | the ops' count")
+    for horizon in horizons:
+        for batch in batches:
+            for cin, cout, length, k, _ in distinct_block_shapes(UNETS["lerobot"]["down_dims"], horizon):
+                M, red, N = cout, cin * k, batch * length
+                copies = weight_copies(M * red * 4)
+                ws = [torch.randn(M, red, device="cuda") for _ in range(copies)]
+                cols = torch.randn(red, N, device="cuda")
+                row = [graph_time_ms(lambda i: torch.mm(ws[i], cols), copies)]
+                for s in counts:
+                    d = red // s
+                    row.append(graph_time_ms(lambda i: torch.bmm(ws[i].unflatten(1, (s, d)).transpose(0, 1),
+                                                                 cols.unflatten(0, (s, d))), copies)
+                               if red % s == 0 else float("nan"))
+                taken = _gemm_splits(torch.nn.Conv1d(cin, cout, k, device="meta"), N, torch.float32,
+                                     torch.device("cuda"), KernelConfig())
+                print(f"T{horizon:<4} B{batch:<2} {cin:5}->{cout:<5} L{length:<4} {row[0] * 1e3:7.1f} | "
+                      + " ".join(f"{v * 1e3:6.1f}" for v in row[1:]) + f" | {taken}", flush=True)
 
 
 def residual_block_args(cin, cout, k, groups, dtype):
@@ -143,8 +171,12 @@ def main():
                         help="time the shortcut blocks and forwards with and without the side stream instead")
     parser.add_argument("--taps-as-rows", action="store_true",
                         help="time the GroupNorm convs' GEMMs with the taps as weight rows instead")
+    parser.add_argument("--splits", action="store_true",
+                        help="time LeRobot's fp32 GEMMs whole and cut into slices of the reduction instead")
     args = parser.parse_args()
-    if args.taps_as_rows:
+    if args.splits:
+        splits_table()
+    elif args.taps_as_rows:
         taps_as_rows_table()
     elif args.side_stream:
         side_stream_table()

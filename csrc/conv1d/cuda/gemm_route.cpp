@@ -23,7 +23,8 @@ namespace {
 // gemm_splits: the tile cuBLAS's SIMT SGEMMs take at these shapes (128 x 32: a 2048-channel
 // layer over 16 positions is 16 tiles), the shortest slice of the reduction worth a split,
 // and the fewest splits worth one: a strided-batched GEMM of 2 slices took 1.5-3x as long as
-// the whole GEMM (2048->2048 over 16 positions, H100: 165.9 against 53.9 µs), of 16 less.
+// the whole GEMM (2048->2048 over 16 positions, H100: 165.9 against 53.9 µs), of 16 less
+// (scripts/dev/profile_gemm_route.py --splits times every such GEMM both ways).
 constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth = 128, kSplitFewest = 8;
 
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
