@@ -112,7 +112,9 @@ class KernelConfig:
     # 99.14 / 101.58, 128 113.91 / 108.99 / 114.17.
     fp32_gemm_max_splits: int = 32
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
-    # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1.
+    # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1. Also the
+    # GEMM route's sliced GroupNorm epilogue (below): a group's slices one cluster, their
+    # moments exchanged in shared memory, not through global memory.
     clusters: bool = True
     # Hopper: programmatic dependent launch, each kernel starting while the previous one ends
     # and requesting its weights early; 0.3-3 µs per launch at batch 1.
@@ -121,7 +123,8 @@ class KernelConfig:
     # U-Net at horizon 64: 4096 elements), cut into slices over the SMs, in one cooperative
     # launch (every block resident; a slice's block waits for its group's other slices'
     # moments) instead of two (moments stored, then read back to normalise). Any GPU since
-    # Pascal; where the op has no counters, or the blocks are not resident at once, two.
+    # Pascal, where clusters are not taken; where the op has no counters, or the blocks are
+    # not resident at once, two.
     cooperative_group_norm: bool = True
     # Streamed weights (each read once per forward) loaded evict-first in L2, keeping the
     # activations, partial sums and code there: 1-4 ms per DDPM-100 action at batch 1.

@@ -396,29 +396,44 @@ def test_gemm_route_group_sizes(shape, dtype, taps_major, counters):
         assert not op_counters.any(), "counters left non-zero"
 
 
+# The sliced GroupNorm epilogue's three kernels, the KernelConfig that picks each, and the
+# kernel names the profiler shows for it.
+SLICED_WAYS = {"cluster": (dict(), "group_slices_cluster_kernel"),
+               "cooperative": (dict(clusters=False), "group_slices_kernel"),
+               "two launches": (dict(clusters=False, cooperative_group_norm=False), "group_slice_moments_kernel")}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_sliced_group_norm_one_launch_is_the_two_launches_bits(dtype):
-    """The one cooperative launch merges the same slice moments in the same order as the two
-    launches (KernelConfig.cooperative_group_norm off): the same bits, at LeRobot's horizon-64
-    group size (8 groups of 4096 elements at batch 1) and at batch 3. The profiler's kernel
-    names say which ran."""
+def test_sliced_group_norm_ways_give_the_same_bits(dtype):
+    """The cluster (Hopper), the one cooperative launch and the two launches merge the same
+    slice moments in the same order: the same bits, at LeRobot's horizon-64 group size (8
+    groups of 4096 elements at batch 1, 16 slices each), at batch 3 (4 slices), and at horizon
+    128 (8192 elements: 16 slices of 512, a cluster's most, on every path). The profiler's
+    kernel names say which ran; the counters are zero again after each."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
     g = torch.Generator().manual_seed(10)
-    for shape in [(1, 64, 512, 64, 5, 8), (3, 64, 512, 64, 5, 8)]:
+    for shape in [(1, 64, 512, 64, 5, 8), (3, 64, 512, 64, 5, 8), (1, 64, 512, 128, 5, 8)]:
         x, w, b, gamma, beta = make_inputs(shape, dtype, "cuda", g)
         film, residual = film_and_residual(shape, dtype, "cuda", g, "scale+bias")
         op_counters = torch.zeros(shape[2], dtype=torch.int32, device="cuda")
-        outs, kernels = [], []
-        for cooperative in (True, False):
-            with kernel_config(gemm_min_positions=1, cooperative_group_norm=cooperative), \
+        outs = {}
+        for way, (config, kernel) in SLICED_WAYS.items():
+            if way == "cluster" and not hopper:
+                continue
+            with kernel_config(gemm_min_positions=1, **config), \
                     torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                outs.append(ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual,
-                                               counters=op_counters))
+                outs[way] = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual,
+                                               counters=op_counters)
                 torch.cuda.synchronize()
-            kernels.append(" ".join(event.name for event in prof.events()))
-        assert "group_slices_kernel" in kernels[0] and "group_slice_moments_kernel" not in kernels[0]
-        assert "group_slice_moments_kernel" in kernels[1] and "group_slices_kernel" not in kernels[1]
-        assert torch.equal(outs[0], outs[1])
+            names = [event.name for event in prof.events()]
+            ran = [name for _, name in SLICED_WAYS.values() if any(name + "<" in n for n in names)]
+            assert ran == [kernel], f"{way}: ran {ran}"
+            assert not op_counters.any(), f"{way}: counters left non-zero"
+        torch.testing.assert_close(outs["two launches"].cpu().double(),
+                                   reference(x, w, b, gamma, beta, shape[5], film, residual), **TOLERANCES[dtype])
+        for way, out in outs.items():
+            assert torch.equal(out, outs["two launches"]), f"{way} differs from the two launches"
 
 
 # Streaming-route shapes for the two GroupNorm kernels: U-Net layers (1024->1024 L4 streams

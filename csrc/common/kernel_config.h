@@ -34,7 +34,8 @@ struct KernelConfig {
   // gemm_route.h's gemm_splits).
   int64_t fp32_gemm_max_splits;
   bool side_stream;
-  // Streaming convs as thread-block clusters (Hopper) where their plan fits.
+  // Streaming convs, and the GEMM route's sliced GroupNorm epilogue, as thread-block clusters
+  // (Hopper) where their plan fits.
   bool clusters;
   // Programmatic dependent launch (Hopper): a kernel starts while the previous one ends.
   bool pdl;

@@ -5,7 +5,7 @@ transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv strea
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
 the ops (residual blocks included, contiguous and taps-major weights, outputs stored and
-inputs read channels-last, GroupNorm groups held or cut into slices in one launch or two),
+inputs read channels-last, GroupNorm groups held or cut into slices: clusters, one launch or two),
 launch plans for a budget of a few SMs, denoise steps, and a small U-Net's denoising loop
 (fp32 and bf16, batch 1 and 2)."""
 import torch
@@ -85,19 +85,20 @@ def main():
                 out = ops.conv1d(x, w, None, stride, padding, transposed=transposed, residual=out)
                 assert torch.isfinite(out).all()
             # Groups held by one block, and groups cut into slices (few blocks or many; the
-            # last slice shorter; over 256 slices, merged in rounds), in two launches and, with
-            # counters, one cooperative launch.
+            # last slice shorter; over 256 slices, merged in rounds), as clusters (Hopper, up to
+            # 16 slices), in two launches and, with counters, one cooperative launch.
             for batch, cin, cout, length, k, groups in [(3, 7, 6, 3, 3, 3), (2, 9, 24, 1, 5, 24), (5, 64, 256, 8, 5, 8),
                                                          (2, 8, 16, 200, 3, 2), (3, 16, 8, 4, 7, 4),
                                                          (160, 4, 8, 130, 5, 1), (1, 16, 2048, 16, 5, 8),
                                                          (3, 8, 8, 1025, 5, 1), (1, 8, 256, 1100, 3, 1)]:
                 x = torch.randn(batch, cin, length, device="cuda")
                 w = layout(torch.randn(cout, cin, k, device="cuda"))
-                for op_counters in (None, counters):
-                    out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,
-                                             film=torch.randn(batch, 2 * cout, device="cuda"),
-                                             residual=torch.randn(batch, cout, length, device="cuda"),
-                                             counters=op_counters)
+                for clusters, op_counters in [(True, None), (False, None), (False, counters)]:
+                    with kernel_config(clusters=clusters):
+                        out = ops.conv1d_gn_mish(x, w, torch.randn(cout, device="cuda"), None, None, groups,
+                                                 film=torch.randn(batch, 2 * cout, device="cuda"),
+                                                 residual=torch.randn(batch, cout, length, device="cuda"),
+                                                 counters=op_counters)
                     assert torch.isfinite(out).all()
             # Residual blocks on that route: the first conv's epilogue writes the second's GEMM
             # operand (kernel sizes 1, 3, 5; length 1), the second's adds a shortcut's GEMM result

@@ -221,7 +221,8 @@ struct GroupSlices {
   float* pre;       // [batch * groups][group elements], for two launches
   float2* moments;  // [batch * groups][slices]: each slice's mean and sum of squared deviations
   int slices, slice_len;
-  bool cooperative;  // one launch, where it fits (two if the driver refuses it)
+  bool cluster;      // each group's slices one thread-block cluster (Hopper, slices <= 16)
+  bool cooperative;  // else one launch, where it fits (two if the driver refuses it)
 };
 
 // The GEMM route's kernels for dtype T on the current stream (gemm_epilogue.cuh).
@@ -237,6 +238,9 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
 // Whether the sliced epilogue of the form fits one cooperative launch of `blocks` blocks.
 template <typename T>
 bool group_slices_fit(const StreamArgs& a, GemmForm form, int blocks);
+// Whether its cluster kernel's `clusters` clusters of `slices` blocks are all resident at once.
+template <typename T>
+bool group_slices_cluster_fit(const StreamArgs& a, GemmForm form, int slices, int clusters);
 // The plain conv's epilogue (bias, residual) over `pre`, into a.out ([B, C_out, L_out]).
 template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form);

@@ -138,42 +138,55 @@ bool conv_epilogue_fits(const ConvProblem& p) {
 // How many slices each group's epilogue is cut into (GroupSlices): one where a block holds
 // the group (group_held), which the GemmEpilogueIo options need; else at least enough that
 // each slice is held, and more where batch x groups blocks would leave SMs idle, until the
-// blocks fill the SMs or each thread has one element. One block reading a whole large group
-// pass after pass took ~26 µs a launch on LeRobot's U-Net at horizon 64, batch 1, bf16 (8
-// blocks of 4096 elements, every GroupNorm conv of that U-Net); sliced, its DDPM-100 action
-// went from 109.2 to 60.2 ms in bf16 and from 151.2 to 137.2 ms in fp32 (H100, torch 2.11).
+// blocks fill the SMs or each thread has one element; and at most a cluster's blocks where
+// that leaves each slice held, on any GPU: the same slices, and bits, whichever kernel runs
+// them. One block reading a whole large group pass after pass took ~26 µs a launch on
+// LeRobot's U-Net at horizon 64, batch 1, bf16 (8 blocks of 4096 elements, every GroupNorm
+// conv of that U-Net); sliced, its DDPM-100 action went from 109.2 to 60.2 ms in bf16 and
+// from 151.2 to 137.2 ms in fp32 (H100, torch 2.11).
 int group_slices(const StreamArgs& a) {
   const int64_t count = static_cast<int64_t>(a.cout / a.groups) * a.lout;
   if (group_held(a.cout / a.groups, a.lout)) return 1;
   const int64_t units = static_cast<int64_t>(a.batch) * a.groups;
   const int sms = sm_budget();
   const int64_t fewest = ceil_div(count, kHeldPerThread * kThreads), most = ceil_div(count, kThreads);
-  return static_cast<int>(std::clamp<int64_t>(ceil_div(sms, units), fewest, most));
+  return static_cast<int>(std::clamp<int64_t>(ceil_div(sms, units), fewest,
+                                                std::max<int64_t>(fewest, std::min<int64_t>(most, kMaxClusterBlocks))));
 }
 
 void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const at::Tensor& pre, GemmForm form,
                                 const GemmEpilogueIo& io) {
   const int64_t count = static_cast<int64_t>(a.cout / a.groups) * a.lout;
   const int64_t units = static_cast<int64_t>(a.batch) * a.groups;
-  GroupSlices slices{nullptr, nullptr, 1, static_cast<int>(count), false};
+  GroupSlices slices{nullptr, nullptr, 1, static_cast<int>(count), false, false};
   at::Tensor pre_sums, moments;
   if (const int wanted = group_slices(a); wanted > 1) {
     TORCH_INTERNAL_ASSERT(!(io.residual_pre || io.residual_rows || io.cols),
                           "the GroupNorm epilogue's io options need a group held in registers");
     slices.slice_len = static_cast<int>(ceil_div(count, wanted));
     slices.slices = static_cast<int>(ceil_div(count, slices.slice_len));  // none empty
-    moments = at::empty({units * slices.slices, 2}, pre.options().dtype(at::kFloat));
-    slices.moments = reinterpret_cast<float2*>(moments.data_ptr<float>());
-    // One launch needs a counter per (batch row, group): the op's counters hold out_channels.
-    slices.cooperative = kernel_config().cooperative_group_norm && a.counters != nullptr && units <= a.cout;
-    if (slices.cooperative) {
+    // Clusters only where they are all resident at once, as the cooperative launch's blocks
+    // are: LeRobot's U-Net at horizon 128, batch 8 (64 clusters of 8) took 4% longer in bf16.
+    if (kernel_config().clusters && at::cuda::getCurrentDeviceProperties()->major >= 9 &&
+        slices.slices <= kMaxClusterBlocks) {
       DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
-        slices.cooperative = group_slices_fit<scalar_t>(a, form, static_cast<int>(units * slices.slices));
+        slices.cluster = group_slices_cluster_fit<scalar_t>(a, form, slices.slices, static_cast<int>(units));
       });
     }
-    // The two launches' buffer, also where one was planned: the driver may refuse it.
-    pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
-    slices.pre = pre_sums.data_ptr<float>();
+    if (!slices.cluster) {
+      moments = at::empty({units * slices.slices, 2}, pre.options().dtype(at::kFloat));
+      slices.moments = reinterpret_cast<float2*>(moments.data_ptr<float>());
+      // One launch needs a counter per (batch row, group): the op's counters hold out_channels.
+      slices.cooperative = kernel_config().cooperative_group_norm && a.counters != nullptr && units <= a.cout;
+      if (slices.cooperative) {
+        DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
+          slices.cooperative = group_slices_fit<scalar_t>(a, form, static_cast<int>(units * slices.slices));
+        });
+      }
+      // The two launches' buffer, also where one was planned: the driver may refuse it.
+      pre_sums = at::empty({units * count}, pre.options().dtype(at::kFloat));
+      slices.pre = pre_sums.data_ptr<float>();
+    }
   }
   // A group the one-block kernel does not hold would be left partly unwritten.
   TORCH_INTERNAL_ASSERT(slices.slices > 1 || group_held(a.cout / a.groups, a.lout),

@@ -58,6 +58,10 @@ __device__ __forceinline__ void push(uint32_t remote, float v, uint32_t remote_b
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
                ::"r"(remote), "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
 }
+__device__ __forceinline__ void push(uint32_t remote, float2 v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];"
+               ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(remote_bar) : "memory");
+}
 __device__ __forceinline__ void push(uint32_t remote, float4 v, uint32_t remote_bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];"
                ::"r"(remote), "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)),

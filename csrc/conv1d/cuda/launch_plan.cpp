@@ -101,6 +101,27 @@ bool cooperative_fits(const void* kernel, int blocks) {
   return static_cast<int64_t>(per_sm) * sms >= blocks;
 }
 
+// Cached: the occupancy query is not free, and a U-Net asks about few shapes.
+bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, int clusters) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> resident;
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, kernel, cluster_blocks, shared_bytes);
+  auto found = resident.find(key);
+  if (found == resident.end()) {
+    set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
+    LaunchConfig launch(dim3(cluster_blocks * clusters), dim3(kThreads), shared_bytes);
+    launch.clusters(cluster_blocks);
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, launch.get()));
+    found = resident.emplace(key, n).first;
+  }
+  // The query counts the whole device; on an SM budget, its share.
+  const int device_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return static_cast<int64_t>(found->second) * sm_budget() / device_sms >= clusters;
+}
+
 int wave_blocks() {
   return kBlocksPerSm * sm_budget();
 }
@@ -128,29 +149,6 @@ StreamLaunch plan_conv(StreamArgs& a, bool vectorised, int blocks) {
   if (a.groups == 0) a.unit_rows = kWarps * R;
   return {splitk_conv_kernel<T, NT>(vectorised), splitk_pair_kernel<T, NT>(vectorised),
           dim3(m_tiles, a.splits, a.n_tiles), static_cast<size_t>(NT) * a.split_len * sizeof(float)};
-}
-
-// Whether `clusters` clusters of `cluster_blocks` blocks of `kernel` can all be resident at
-// once (cached: the occupancy query is not free, and a U-Net asks about few shapes).
-template <typename Kernel>
-bool clusters_fit(Kernel kernel, int cluster_blocks, size_t shared_bytes, int clusters) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int, size_t>, int> resident;
-  const int device = c10::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), cluster_blocks, shared_bytes);
-  auto found = resident.find(key);
-  if (found == resident.end()) {
-    set_kernel_attributes(reinterpret_cast<const void*>(kernel), cluster_blocks, shared_bytes);
-    LaunchConfig launch(dim3(cluster_blocks * clusters), dim3(kThreads), shared_bytes);
-    launch.clusters(cluster_blocks);
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, reinterpret_cast<const void*>(kernel), launch.get()));
-    found = resident.emplace(key, n).first;
-  }
-  // The query counts the whole device; on an SM budget, its share.
-  const int device_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return static_cast<int64_t>(found->second) * sm_budget() / device_sms >= clusters;
 }
 
 // How a cluster streams one unit of a problem: row_tiles x splits blocks (row_tiles: set by
@@ -256,7 +254,7 @@ bool plan_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launch) {
   const StreamKernel kernel = cluster_conv_kernel<T, NT>(vectorised, shape.bulk);
   const int size = shape.row_tiles * shape.splits;
   const int units = ceil_div(a.m, a.unit_rows);
-  if (!clusters_fit(kernel, size, shape.shared_bytes, units)) return false;
+  if (!clusters_fit(reinterpret_cast<const void*>(kernel), size, shape.shared_bytes, units)) return false;
   adopt(a, shape);
   launch = {kernel, nullptr, dim3(units * size), shape.shared_bytes, size};
   return true;
@@ -285,7 +283,8 @@ ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, bool vectorise
   launch.b_units = ceil_div(b.m, unit_rows);
   launch.cluster_blocks = size;
   launch.shared_bytes = sa.shared_bytes;  // b's slice and ring are no larger
-  if (!clusters_fit(launch.kernel, size, launch.shared_bytes, launch.a_units + launch.b_units)) return {};
+  if (!clusters_fit(reinterpret_cast<const void*>(launch.kernel), size, launch.shared_bytes,
+                    launch.a_units + launch.b_units)) return {};
   b.unit_rows = unit_rows;
   adopt(a, sa);
   adopt(b, sb);
@@ -347,7 +346,7 @@ bool plan_transposed_cluster(StreamArgs& a, bool vectorised, StreamLaunch& launc
   const size_t shared_bytes = floats * sizeof(float);
   if (shared_bytes > static_cast<size_t>(max_shared_bytes())) return false;
   const StreamKernel kernel = cluster_transposed_kernel<T, NT>(vectorised);
-  if (!clusters_fit(kernel, size, shared_bytes, units)) return false;
+  if (!clusters_fit(reinterpret_cast<const void*>(kernel), size, shared_bytes, units)) return false;
   a.split_len = split_len;
   a.splits = splits;
   launch = {kernel, nullptr, dim3(units * size), shared_bytes, size};
