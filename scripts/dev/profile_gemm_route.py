@@ -10,15 +10,16 @@ by input shapes. --side-stream instead times every residual block with a 1x1 sho
 shortcut's GEMM on a side stream and without (kernel_config(side_stream=...)), interleaved
 on, off, on. --taps-as-rows instead times every GroupNorm conv's GEMM at batch 8 and 64 as
 im2col builds it against the GEMM of a taps-major weight (ops.taps_major) with x itself, in
-both orientations, with results in x's dtype and in fp32. --splits instead times the fp32
-GEMMs of LeRobot's U-Net's GroupNorm convs at long horizons whole and cut into 2 to 32 slices
-of the reduction (one strided-batched GEMM; the partial sums' addition is the epilogue's),
-beside the count gemm_splits takes (KernelConfig.fp32_gemm_max_splits).
+both orientations, with results in x's dtype and in fp32. --splits instead times the GEMMs
+of LeRobot's U-Net's GroupNorm convs at long horizons whole and cut into 2 to 32 slices of
+the reduction (one strided-batched GEMM; the partial sums' addition is the epilogue's): in
+fp32 beside the count gemm_splits takes (KernelConfig.fp32_gemm_max_splits); with --dtype
+bfloat16 the taps-major GEMMs half precision takes, which the ops never cut.
 
     python scripts/dev/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/dev/profile_gemm_route.py --side-stream
     python scripts/dev/profile_gemm_route.py --taps-as-rows
-    python scripts/dev/profile_gemm_route.py --splits
+    python scripts/dev/profile_gemm_route.py --splits [--dtype bfloat16]
 """
 import argparse
 from collections import defaultdict
@@ -27,6 +28,7 @@ import torch
 
 from diffusion_policy_accelerated import ConditionalUnet1D, ops
 from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_shapes
+from diffusion_policy_accelerated.model import conv1d_block_shapes
 from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
 from diffusion_policy_accelerated.routing import KernelConfig, _gemm_splits, kernel_config
 
@@ -63,28 +65,43 @@ def taps_as_rows_table():
                           flush=True)
 
 
-def splits_table(horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8, 16, 32)):
-    """fp32 [M, cin*k] x [cin*k, N] whole against [S, M, cin*k/S] x [S, cin*k/S, N] for each
-    GroupNorm conv shape of LeRobot's U-Net, and the S the ops take for it."""
+def splits_table(dtype, horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8, 16, 32)):
+    """Each GroupNorm conv shape of LeRobot's U-Net, its GEMM whole against [S, ...] x [S, ...]
+    over S slices of the reduction: in fp32 [M, cin*k] x [cin*k, N] and the S the ops take
+    for it; in half precision the taps-major form the ops take, [k*M, cin] x x[cin, N] with
+    fp32 results (the ops cut those never). Also the sum over one forward's convs."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    print("== fp32 us per GEMM: whole | " + " ".join(f"{s:>6}" for s in counts) + " slices | the ops' count")
+    fp32 = dtype == torch.float32
+    kw = {} if fp32 else dict(out_dtype=torch.float32)
+    print(f"== {str(dtype)[6:]} us per GEMM: whole | " + " ".join(f"{s:>6}" for s in counts) + " slices"
+          + (" | the ops' count" if fp32 else ""))
     for horizon in horizons:
+        with torch.device("meta"):
+            model = ConditionalUnet1D(2, global_cond_dim=32, down_dims=UNETS["lerobot"]["down_dims"], kernel_size=5,
+                                      cond_predict_scale=True)
+        calls = [call[1:4] for call in conv1d_block_shapes(model, horizon)]
         for batch in batches:
+            total = [0.0] * (1 + len(counts))
             for cin, cout, length, k, _ in distinct_block_shapes(UNETS["lerobot"]["down_dims"], horizon):
-                M, red, N = cout, cin * k, batch * length
-                copies = weight_copies(M * red * 4)
-                ws = [torch.randn(M, red, device="cuda") for _ in range(copies)]
-                cols = torch.randn(red, N, device="cuda")
-                row = [graph_time_ms(lambda i: torch.mm(ws[i], cols), copies)]
+                (M, red), N = ((cout, cin * k) if fp32 else (cout * k, cin)), batch * length
+                copies = weight_copies(M * red * dtype.itemsize)
+                ws = [torch.randn(M, red, device="cuda", dtype=dtype) for _ in range(copies)]
+                cols = torch.randn(red, N, device="cuda", dtype=dtype)
+                row = [graph_time_ms(lambda i: torch.mm(ws[i], cols, **kw), copies)]
                 for s in counts:
                     d = red // s
                     row.append(graph_time_ms(lambda i: torch.bmm(ws[i].unflatten(1, (s, d)).transpose(0, 1),
-                                                                 cols.unflatten(0, (s, d))), copies)
-                               if red % s == 0 else float("nan"))
-                taken = _gemm_splits(torch.nn.Conv1d(cin, cout, k, device="meta"), N, torch.float32,
-                                     torch.device("cuda"), KernelConfig())
-                print(f"T{horizon:<4} B{batch:<2} {cin:5}->{cout:<5} L{length:<4} {row[0] * 1e3:7.1f} | "
-                      + " ".join(f"{v * 1e3:6.1f}" for v in row[1:]) + f" | {taken}", flush=True)
+                                                                 cols.unflatten(0, (s, d)), **kw), copies)
+                               if red % s == 0 and d >= 64 else float("nan"))
+                n = calls.count((cin, cout, length))
+                for j, v in enumerate(row):
+                    total[j] += n * (v if v == v else row[0])
+                taken = (" | " + str(_gemm_splits(torch.nn.Conv1d(cin, cout, k, device="meta"), N, dtype,
+                                                  torch.device("cuda"), KernelConfig())) if fp32 else "")
+                print(f"T{horizon:<4} B{batch:<2} {cin:5}->{cout:<5} L{length:<4} x{n} {row[0] * 1e3:7.1f} | "
+                      + " ".join(f"{v * 1e3:6.1f}" for v in row[1:]) + taken, flush=True)
+            print(f"T{horizon:<4} B{batch:<2} one forward's GroupNorm convs (whole where a count cannot cut): "
+                  + " | ".join(f"{v * 1e3:.1f}" for v in total), flush=True)
 
 
 def residual_block_args(cin, cout, k, groups, dtype):
@@ -165,7 +182,8 @@ def kernel_breakdown(batch, dtype, by_shape, forwards=5):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="default: bfloat16, and float32 with --splits")
     parser.add_argument("--by-shape", action="store_true", help="also the per-op table by input shapes")
     parser.add_argument("--side-stream", action="store_true",
                         help="time the shortcut blocks and forwards with and without the side stream instead")
@@ -175,13 +193,13 @@ def main():
                         help="time LeRobot's fp32 GEMMs whole and cut into slices of the reduction instead")
     args = parser.parse_args()
     if args.splits:
-        splits_table()
+        splits_table(getattr(torch, args.dtype or "float32"))
     elif args.taps_as_rows:
         taps_as_rows_table()
     elif args.side_stream:
         side_stream_table()
     else:
-        kernel_breakdown(args.batch, getattr(torch, args.dtype), args.by_shape)
+        kernel_breakdown(args.batch, getattr(torch, args.dtype or "bfloat16"), args.by_shape)
 
 
 if __name__ == "__main__":
