@@ -273,6 +273,19 @@ __device__ __forceinline__ void normalize_held(const StreamArgs& a, const GroupS
   });
 }
 
+// The one-launch kernels' start: slice q's pre-activations and epilogue inputs loaded and
+// held, and the slice's moments.
+template <typename T, typename Pre>
+__device__ __forceinline__ float2 load_slice(const StreamArgs& a, const Pre& pre, const GroupSlice& q,
+                                             float (&v)[kHeldPerThread], Epilogue (&e)[kHeldPerThread],
+                                             float* scratch) {
+  for_held(q, [&](int j, int, int c, int l) {
+    v[j] = pre(c, q.b * q.L + l);
+    e[j] = load_epilogue<T>(a, q.b, c, l);
+  });
+  return held_moments(v, q.n, scratch);
+}
+
 // Thread 0 of each of a group's `slices` blocks: counts in on the group's counter, waits
 // until all have, then counts out; the last out zeroes it, as every op's counters are between
 // launches. Each count is a release of what the block stored before (its moments) and an
@@ -296,11 +309,7 @@ __global__ void __launch_bounds__(kThreads)
   const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
-  for_held(q, [&](int j, int, int c, int l) {
-    v[j] = pre(c, q.b * q.L + l);
-    e[j] = load_epilogue<T>(a, q.b, c, l);
-  });
-  const float2 moments = held_moments(v, q.n, scratch);
+  const float2 moments = load_slice<T>(a, pre, q, v, e, scratch);
   if (threadIdx.x == 0) {
     s.moments[static_cast<int64_t>(q.unit) * s.slices + q.slice] = moments;
     slices_meet(a.counters + q.unit, s.slices);
@@ -333,11 +342,7 @@ __global__ void __launch_bounds__(kThreads)
   cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
-  for_held(q, [&](int j, int, int c, int l) {
-    v[j] = pre(c, q.b * q.L + l);
-    e[j] = load_epilogue<T>(a, q.b, c, l);
-  });
-  const float2 moments = held_moments(v, q.n, scratch);
+  const float2 moments = load_slice<T>(a, pre, q, v, e, scratch);
   cluster.barrier_wait();
   if (threadIdx.x < s.slices) {
     push(in_block(shared_address(&received[q.slice]), threadIdx.x), moments,
