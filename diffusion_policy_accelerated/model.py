@@ -354,9 +354,7 @@ class ConditionalResidualBlock1D(nn.Module):
         """Whether this block, given an input like x (its batch, length, dtype and device;
         no skip), reads it in place when x is stored channels-last, where otherwise it would
         transpose it: as one op whose first conv's taps are GEMM rows (a taps-major weight),
-        at batch 2+. At batch 1, x's [C][L] is that GEMM's operand as it is, and a block whose
-        group the op does not hold in registers would store its output channels-last by a copy
-        (LeRobot's U-Net at horizon 64: ~2.2 µs a block, 12 a step)."""
+        at batch 2+. At batch 1, x's [C][L] is that GEMM's operand as it is."""
         return (x.shape[0] > 1 and self._takes_block_op(x, None, None)
                 and routing.taps_major_pays(self.blocks[0].block[0], x))
 

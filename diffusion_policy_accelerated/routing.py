@@ -338,8 +338,10 @@ def block_op_pays(first: nn.Conv1d, second: nn.Conv1d, x: torch.Tensor) -> bool:
 # Explaining a forward.
 
 # The most elements of a GroupNorm group that residual_block's fused GEMM-route epilogue holds
-# in registers (csrc/conv1d/cuda/conv_params.h, kHeldPerThread x kThreads); past it the op runs
-# its convs one by one.
+# in registers (csrc/conv1d/cuda/conv_params.h, kHeldPerThread x kThreads); past it the
+# epilogue is cut into slices, which write the second conv's GEMM operand only where that
+# conv's taps are GEMM rows (a taps-major weight) and the batch is 2+ (conv1d_cuda.cpp says
+# why); otherwise the op runs its convs one by one.
 _BLOCK_OP_MAX_GROUP = 1024
 
 
@@ -385,7 +387,8 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         if _block_op_pays(first, second, batch, length, dtype, config, device):
             group = first.out_channels // block.blocks[0].block[1].num_groups * length
             layout = ", taps-major" if taps else ""
-            if group <= _BLOCK_OP_MAX_GROUP:
+            if group <= _BLOCK_OP_MAX_GROUP or (batch > 1 and _taps_major_pays(second, batch, length, dtype, config,
+                                                                                device)):
                 # The op's shortcut GEMM is never split.
                 if not taps and conv is not block.residual_conv:
                     layout = sliced(conv)
@@ -399,7 +402,8 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                    if conv is block.residual_conv else _gemm_reason(conv, positions, dtype, taps, config, device))
             return ConvRoute(name, described, "GEMM" + layout,
                              f"{why}; its residual block's op runs per conv: a GroupNorm group of {group} "
-                             f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP})")
+                             f"elements is more than the fused epilogue holds ({_BLOCK_OP_MAX_GROUP}), at batch 1 "
+                             "or with a second conv whose weight is not taps-major")
         taps = taps and not paired
         sized = first if paired else conv
     why = _gemm_reason(sized, positions, dtype, taps, config, device)

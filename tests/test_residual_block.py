@@ -27,7 +27,8 @@ UNET_SHAPES = [(1, 2, 256, 16, 5, 8), (1, 256, 256, 16, 5, 8), (1, 512, 1024, 4,
 OTHER_SHAPES = [(3, 7, 6, 3, 3, 3), (5, 24, 24, 7, 5, 4), (2, 5, 64, 9, 5, 16), (1, 33, 40, 5, 7, 5),
                 (9, 16, 16, 4, 3, 8), (1, 1, 3, 1, 1, 1), (33, 12, 12, 3, 3, 2)]
 # Groups of more than 1024 elements, which the GEMM route's epilogue does not hold in
-# registers: the op runs the separate ops there.
+# registers: with contiguous weights the op runs the separate ops there (taps-major ones:
+# test_sliced_groups_stay_fused_with_taps_major_weights).
 LONG_GROUP_SHAPES = [(2, 64, 64, 160, 5, 4), (3, 32, 48, 100, 3, 2)]
 
 
@@ -107,7 +108,7 @@ def test_skip_is_read_as_the_concatenation(shape, skip_from, dtype, device):
 # Taps-major weights (ops.taps_major), as ConditionalUnet1D passes them on the GEMM route:
 # there the first conv's GEMM multiplies x's columns, its epilogue writes its output
 # channels-last for the second's; U-Net blocks with and without a shortcut, a skip
-# concatenation, odd sizes, a long group (the separate ops), and the streaming route.
+# concatenation, odd sizes, a long group (cut into slices), and the streaming route.
 TAPS_MAJOR_CASES = [((64, 256, 512, 8, 5, 8), None), ((64, 1024, 1024, 4, 5, 8), None),
                     ((64, 2048, 512, 4, 5, 8), 1024), ((33, 40, 40, 3, 5, 5), 8), ((5, 24, 24, 7, 5, 4), None),
                     ((9, 16, 16, 4, 3, 8), None), ((2, 64, 64, 160, 5, 4), None), ((1, 512, 1024, 4, 5, 8), None)]
@@ -209,14 +210,51 @@ def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
         assert kernel_launches(lambda: ops.residual_block(**contiguous), "group_norm_epilogue") == 0
 
 
+# Groups past 1024 elements whose second weight is taps-major, at batch 2+: the epilogue is
+# cut into slices, which write the second conv's operand channels-last, so the op stays
+# fused. LeRobot's 512-channel blocks at horizon 64, groups ending inside a channel, and a
+# shortcut with a skip concatenation. (At batch 1 the op runs per conv.)
+SLICED_CASES = [((2, 512, 512, 64, 5, 8), None), ((2, 64, 512, 64, 5, 8), None), ((3, 32, 48, 100, 3, 2), None),
+                ((2, 1024, 256, 40, 5, 8), 512)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliced_groups_stay_fused_with_taps_major_weights(dtype):
+    """Each of the sliced epilogue's kernels (cluster on Hopper, cooperative, two launches):
+    right against float64, the same bits as the others, in the default layout and
+    channels-last; and fused: one im2col launch (x's), where the separate ops make two."""
+    from test_conv1d_gn_mish import SLICED_WAYS
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    for seed, (shape, skip_from) in enumerate(SLICED_CASES):
+        counters = torch.zeros(2 * shape[2], dtype=torch.int32, device="cuda")  # with a shortcut's
+        outs = {}
+        for way, (config, kernel) in SLICED_WAYS.items():
+            if way == "cluster" and not hopper:
+                continue
+            with kernel_config(**config):
+                args, skip, outs[way] = check(shape, dtype, "cuda", seed=seed, skip_from=skip_from, counters=counters,
+                                              taps_major=True)
+                assert kernel_launches(lambda: ops.residual_block(**args, skip=skip, counters=counters),
+                                       kernel + "<") == 2, f"{shape} {way}: not both epilogues sliced so"
+                poison_allocator("cuda", outs[way].numel(), dtype)
+                stored = ops.residual_block(**args, skip=skip, counters=counters, channels_last=True)
+                assert stored.transpose(1, 2).is_contiguous() and torch.equal(stored, outs[way]), f"{shape} {way}"
+            assert not counters.any(), f"{shape} {way}: counters left non-zero"
+        im2cols = kernel_launches(lambda: ops.residual_block(**args, skip=skip), "im2col_kernel")
+        assert im2cols == 1, f"{shape}: {im2cols} im2col launches"
+        for way, out in outs.items():
+            assert torch.equal(out, outs["two launches"]), f"{shape}: {way} differs from the two launches"
+
+
 def stored_channels_last(t):
     """t stored [B][L][C] in memory, as residual_block(channels_last=True) returns it."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-# The fused GEMM route with taps-major weights (identity, shortcut, skip; a long group takes
-# the separate ops), with contiguous weights (im2col's form, 35 positions), and the
-# streaming route (batch 1).
+# The fused GEMM route with taps-major weights (identity, shortcut, skip; a long group cut
+# into slices), with contiguous weights (im2col's form, 35 positions), and the streaming
+# route (batch 1).
 CHANNELS_LAST_CASES = [((64, 256, 256, 8, 5, 8), None, True), ((64, 256, 512, 8, 5, 8), None, True),
                        ((64, 2048, 512, 4, 5, 8), 1024, True), ((2, 64, 64, 160, 5, 4), None, True),
                        ((5, 24, 24, 7, 5, 4), None, False), ((1, 512, 1024, 4, 5, 8), None, False)]

@@ -101,26 +101,32 @@ def main():
                                                  counters=op_counters)
                     assert torch.isfinite(out).all()
             # Residual blocks on that route: the first conv's epilogue writes the second's GEMM
-            # operand (kernel sizes 1, 3, 5; length 1), the second's adds a shortcut's GEMM result
+            # operand (kernel sizes 1, 3, 5; length 1; groups of 5120 elements cut into slices,
+            # fused where the weights are taps-major), the second's adds a shortcut's GEMM result
             # or the input (here read from a skip concatenation).
             for batch, cin, cout, length, k, skip_channels in [(3, 7, 6, 3, 3, 0), (2, 24, 24, 1, 5, 0),
-                                                               (5, 64, 32, 8, 5, 32), (4, 16, 16, 5, 1, 9)]:
+                                                               (5, 64, 32, 8, 5, 32), (4, 16, 16, 5, 1, 9),
+                                                               (2, 96, 256, 40, 5, 32)]:
                 x = torch.randn(batch, cin - skip_channels, length, device="cuda", dtype=torch.bfloat16)
                 skip = (torch.randn(batch, skip_channels, length, device="cuda", dtype=torch.bfloat16)
                         if skip_channels else None)
                 weights = [layout(torch.randn(cout, cin, k, device="cuda", dtype=torch.bfloat16)),
                            layout(torch.randn(cout, cout, k, device="cuda", dtype=torch.bfloat16))]
                 shortcut = (torch.randn(cout, cin, 1, device="cuda", dtype=torch.bfloat16) if cin != cout else None)
-                out = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
-                                         shortcut, None,
-                                         film=torch.randn(batch, cout, device="cuda", dtype=torch.bfloat16), skip=skip)
-                assert torch.isfinite(out).all()
-                # Its output stored channels-last, which a block of its width reads in place.
-                stored = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2, 1e-5,
-                                            shortcut, None, skip=skip, channels_last=True)
-                out = ops.residual_block(stored, weights[1], None, None, None, weights[1], None, None, None, 2, 1e-5,
-                                         None, None)
-                assert torch.isfinite(out).all()
+                # Slices as clusters, and in one cooperative launch (counters, no clusters).
+                for clusters in (True, False):
+                    with kernel_config(clusters=clusters):
+                        out = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None, 2,
+                                                 1e-5, shortcut, None, counters=counters, skip=skip,
+                                                 film=torch.randn(batch, cout, device="cuda", dtype=torch.bfloat16))
+                        assert torch.isfinite(out).all()
+                        # Its output stored channels-last, which a block of its width reads in place.
+                        stored = ops.residual_block(x, weights[0], None, None, None, weights[1], None, None, None,
+                                                    2, 1e-5, shortcut, None, counters=counters, skip=skip,
+                                                    channels_last=True)
+                        out = ops.residual_block(stored, weights[1], None, None, None, weights[1], None, None, None,
+                                                 2, 1e-5, None, None, counters=counters)
+                        assert torch.isfinite(out).all()
     # Launch plans for a budget of SMs (KernelConfig.sm_count): few, odd splits and slices.
     for sm_count, clusters in ((3, True), (7, False)):
         with kernel_config(sm_count=sm_count, clusters=clusters):

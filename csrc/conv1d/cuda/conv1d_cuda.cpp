@@ -211,9 +211,14 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   const ConvProblem& p = r.first;
   const std::optional<at::Tensor> none;
   const int64_t positions = p.batch * p.out_length;
+  // A group the epilogue does not hold in registers is cut into slices, which write the second
+  // conv's columns only where they are one tap each (a taps-major second weight); and only at
+  // batch 2+, where they save transposing x and the first conv's output for the taps-major
+  // GEMMs. At batch 1 those GEMMs read [C][L] in place, and the fused op was 1-2% slower
+  // (LeRobot's U-Net, horizons 64 and 128, bf16).
   const bool fused = takes_gemm_route(positions, weight) && takes_gemm_route(positions, weight2) &&
                      conv_epilogue_fits(p) && conv_epilogue_fits(r.second) &&
-                     group_held(p.out_channels / p.groups, p.out_length);
+                     (group_held(p.out_channels / p.groups, p.out_length) || (taps_major(weight2) && p.batch > 1));
   if (!fused) {
     // The ops one after the other: on the streaming route each conv is one launch already.
     at::Tensor h, residual;
@@ -233,6 +238,7 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   const GemmForm form = gemm_form(p, weight, true), form2 = gemm_form(r.second, weight2, true);
   GnMishCall first = gn_mish_call(p, x, weight, args.bias, args.gn_weight, args.gn_bias, eps, args.film, none,
                                   form, /*with_output=*/false);
+  first.a.counters = counters_data(counters);  // a sliced epilogue's, in one launch
   if (skip.has_value()) read_skip_in_place(first.a, x, *skip);
   // x stored channels-last (a previous block's channels_last output) is, where the taps are
   // GEMM rows, that GEMM's operand [C_in, B * L] as it is (gemm_columns), and its residual.
@@ -266,6 +272,7 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   GnMishCall second = gn_mish_call(r.second, x, weight2, args.bias2, args.gn_weight2, args.gn_bias2, eps, none,
                                    identity, form2, /*with_output=*/!args.channels_last);
   second.a.x = nullptr;  // its input is cols2
+  second.a.counters = first.a.counters;  // left zero by the first epilogue
   if (args.channels_last) {
     // Written as one-tap columns: [B * L][C_out] is the output channels-last.
     second.out = at::empty({p.batch, p.out_length, p.out_channels}, x.options()).transpose(1, 2);

@@ -187,8 +187,8 @@ struct Im2col {
 // (GroupSlices).
 constexpr int kHeldPerThread = 4;
 
-// Whether the GroupNorm epilogue holds a group in registers, which the GemmEpilogueIo
-// options require.
+// Whether the GroupNorm epilogue holds a group in registers, which GemmEpilogueIo's columns
+// of several taps require.
 inline bool group_held(int64_t channels_per_group, int64_t length) {
   return channels_per_group * length <= kHeldPerThread * kThreads;
 }
@@ -202,8 +202,9 @@ inline bool group_held(int64_t channels_per_group, int64_t length) {
 // Transposed because a block holds one (batch row, group): in this layout its columns are L
 // runs of cpg * taps consecutive elements, stored coalesced; in im2col's
 // [c * taps + k][positions] they were runs of L, and those scattered stores cost more than
-// the im2col launches they replaced. residual_rows: the residual (residual_block's input)
-// stored channels-last, [B * L][C_out].
+// the im2col launches they replaced. A group cut into slices (GroupSlices) takes columns of
+// one tap only (staged in shared memory, then stored a position's channels at a time).
+// residual_rows: the residual (residual_block's input) stored channels-last, [B * L][C_out].
 struct GemmEpilogueIo {
   const void* residual_pre;
   const void* residual_bias;
@@ -231,7 +232,7 @@ template <typename T>
 void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols);
 // The GroupNorm epilogue over `pre`, the GEMM's result of the form (T, or fp32 where taps are
 // rows): one block per (batch row, group) holding it (group_held), or with slices.slices > 1
-// one per slice of one (no io options then).
+// one per slice of one (io.cols of one tap only then).
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices);

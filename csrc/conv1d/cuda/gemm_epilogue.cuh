@@ -106,6 +106,24 @@ __device__ __forceinline__ float2 held_moments(const float (&v)[kHeldPerThread],
   return make_float2(mean, block_sum(sq, scratch));
 }
 
+// An output's epilogue inputs (load_epilogue), the residual taken from io where it says so.
+template <typename T>
+__device__ __forceinline__ Epilogue load_epilogue_io(const StreamArgs& a, const GemmEpilogueIo& io, int b, int c,
+                                                     int l) {
+  Epilogue e = load_epilogue<T>(a, b, c, l);
+  const int L = a.lout;
+  const int64_t positions = static_cast<int64_t>(a.batch) * L;
+  if (io.residual_pre) {
+    float r = io.residual_bias ? load_float<T>(io.residual_bias, c) : 0.f;
+    r += static_cast<float>(static_cast<const T*>(io.residual_pre)[c * positions + b * L + l]);
+    e.residual = static_cast<float>(static_cast<T>(r));
+  }
+  if (io.residual_rows) {
+    e.residual = load_float<T>(io.residual_rows, (static_cast<int64_t>(b) * L + l) * a.cout + c);
+  }
+  return e;
+}
+
 // GroupNorm -> Mish -> FiLM -> residual after a cuBLAS conv, one block per (batch, group).
 // pre(c, b * L + l): the pre-activations, read from the GEMM's result (GemmPre,
 // TapRowsPre). A group of up to kHeldPerThread * kThreads elements is held in registers
@@ -116,7 +134,6 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
   __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
-  const int64_t positions = static_cast<int64_t>(a.batch) * L;
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
 #pragma unroll
@@ -124,15 +141,7 @@ __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const P
     const int i = threadIdx.x + j * kThreads, c = g * cpg + i / L, l = i % L;
     if (i < count) {
       v[j] = pre(c, b * L + l);
-      e[j] = load_epilogue<T>(a, b, c, l);
-      if (io.residual_pre) {
-        float r = io.residual_bias ? load_float<T>(io.residual_bias, c) : 0.f;
-        r += static_cast<float>(static_cast<const T*>(io.residual_pre)[c * positions + b * L + l]);
-        e[j].residual = static_cast<float>(static_cast<T>(r));
-      }
-      if (io.residual_rows) {
-        e[j].residual = load_float<T>(io.residual_rows, (static_cast<int64_t>(b) * L + l) * a.cout + c);
-      }
+      e[j] = load_epilogue_io<T>(a, io, b, c, l);
     }
   }
   const float2 moments = held_moments(v, count, scratch);
@@ -262,26 +271,42 @@ __device__ __forceinline__ void for_held(const GroupSlice& q, const F& f) {
   }
 }
 
-// GroupNorm (stats: mean, 1 / std) -> Mish -> FiLM -> residual on the slice's held values.
+// GroupNorm (stats: mean, 1 / std) -> Mish -> FiLM -> residual on the slice's held values,
+// stored as the op's output, or with io.cols channels-last ([B * L][C_out]: io.taps is 1 for
+// a slice) through shared memory, so that consecutive threads store consecutive channels of
+// one position (the slice's channels c0.. of row l are contiguous there).
 template <typename T>
-__device__ __forceinline__ void normalize_held(const StreamArgs& a, const GroupSlice& q,
+__device__ __forceinline__ void normalize_held(const StreamArgs& a, const GroupSlice& q, const GemmEpilogueIo& io,
                                                const float (&v)[kHeldPerThread],
                                                const Epilogue (&e)[kHeldPerThread], float2 stats) {
-  for_held(q, [&](int j, int, int c, int l) {
-    const float out = mish((v[j] - stats.x) * stats.y * e[j].gamma + e[j].beta);
-    store_output<T>(a, q.b, c, l, apply_epilogue(e[j], out));
+  __shared__ float staged[kHeldPerThread * kThreads];
+  for_held(q, [&](int j, int i, int c, int l) {
+    const float out = apply_epilogue(e[j], mish((v[j] - stats.x) * stats.y * e[j].gamma + e[j].beta));
+    if (io.cols) {
+      staged[i - q.lo] = out;
+    } else {
+      store_output<T>(a, q.b, c, l, out);
+    }
   });
+  if (!io.cols) return;
+  __syncthreads();
+  const int c0 = q.lo / q.L, width = (q.lo + q.n - 1) / q.L - c0 + 1;  // the slice's channels
+  T* rows = static_cast<T*>(io.cols) + static_cast<int64_t>(q.b) * q.L * a.cout + q.g * q.cpg;
+  for (int m = threadIdx.x; m < q.L * width; m += kThreads) {
+    const int l = m / width, c = c0 + m % width, i = c * q.L + l;
+    if (i >= q.lo && i < q.lo + q.n) rows[static_cast<int64_t>(l) * a.cout + c] = static_cast<T>(staged[i - q.lo]);
+  }
 }
 
 // The one-launch kernels' start: slice q's pre-activations and epilogue inputs loaded and
 // held, and the slice's moments.
 template <typename T, typename Pre>
-__device__ __forceinline__ float2 load_slice(const StreamArgs& a, const Pre& pre, const GroupSlice& q,
-                                             float (&v)[kHeldPerThread], Epilogue (&e)[kHeldPerThread],
-                                             float* scratch) {
+__device__ __forceinline__ float2 load_slice(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io,
+                                             const GroupSlice& q, float (&v)[kHeldPerThread],
+                                             Epilogue (&e)[kHeldPerThread], float* scratch) {
   for_held(q, [&](int j, int, int c, int l) {
     v[j] = pre(c, q.b * q.L + l);
-    e[j] = load_epilogue<T>(a, q.b, c, l);
+    e[j] = load_epilogue_io<T>(a, io, q.b, c, l);
   });
   return held_moments(v, q.n, scratch);
 }
@@ -302,20 +327,21 @@ __device__ __forceinline__ void slices_meet(int* counter, int slices) {
   if (atomic_add_acq_rel(counter, 1) == 2 * slices - 1) atomicExch(counter, 0);
 }
 
+// At most 64 registers, so that four blocks an SM are resident (the io options took it to 74).
 template <typename T, typename Pre>
-__global__ void __launch_bounds__(kThreads)
-    group_slices_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
+__global__ void __launch_bounds__(kThreads, 4)
+    group_slices_kernel(const StreamArgs a, const Pre pre, const GroupSlices s, const GemmEpilogueIo io) {
   __shared__ float scratch[kWarps];
   const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
-  const float2 moments = load_slice<T>(a, pre, q, v, e, scratch);
+  const float2 moments = load_slice<T>(a, pre, io, q, v, e, scratch);
   if (threadIdx.x == 0) {
     s.moments[static_cast<int64_t>(q.unit) * s.slices + q.slice] = moments;
     slices_meet(a.counters + q.unit, s.slices);
   }
   __syncthreads();
-  normalize_held<T>(a, q, v, e, merged_slice_stats(a, s, q.unit, q.count));
+  normalize_held<T>(a, q, io, v, e, merged_slice_stats(a, s, q.unit, q.count));
 }
 
 // The cluster: block q of a group's cluster holds slice q, and lanes r < slices of its block
@@ -326,7 +352,8 @@ __global__ void __launch_bounds__(kThreads)
 // 98.4 -> 94.6 (docs/tried.md).
 template <typename T, typename Pre>
 __global__ void __launch_bounds__(kThreads)
-    group_slices_cluster_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
+    group_slices_cluster_kernel(const StreamArgs a, const Pre pre, const GroupSlices s,
+                                const GemmEpilogueIo io) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ float scratch[kWarps];
   __shared__ float2 received[kMaxClusterBlocks];  // slice r's moments
@@ -342,7 +369,7 @@ __global__ void __launch_bounds__(kThreads)
   cluster.barrier_arrive();  // waited for before the first push: every barrier is set up
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
-  const float2 moments = load_slice<T>(a, pre, q, v, e, scratch);
+  const float2 moments = load_slice<T>(a, pre, io, q, v, e, scratch);
   cluster.barrier_wait();
   if (threadIdx.x < s.slices) {
     push(in_block(shared_address(&received[q.slice]), threadIdx.x), moments,
@@ -355,7 +382,7 @@ __global__ void __launch_bounds__(kThreads)
     stats = make_float2(mean, rsqrtf(m2 / q.count + a.eps));
   }
   __syncthreads();
-  normalize_held<T>(a, q, v, e, stats);
+  normalize_held<T>(a, q, io, v, e, stats);
   // No block leaves before every push into its shared memory has arrived, and none pushes
   // after that: no barrier before leaving.
 #endif
@@ -380,15 +407,16 @@ __global__ void __launch_bounds__(kThreads)
 // Its epilogue inputs and pre-activations are requested before the merge, so that their
 // round trip overlaps it.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s) {
+__global__ void __launch_bounds__(kThreads)
+    group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s, const GemmEpilogueIo io) {
   const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
   for_held(q, [&](int j, int i, int c, int l) {
     v[j] = __ldcg(s.pre + static_cast<int64_t>(q.unit) * q.count + i);
-    e[j] = load_epilogue<T>(a, q.b, c, l);
+    e[j] = load_epilogue_io<T>(a, io, q.b, c, l);
   });
-  normalize_held<T>(a, q, v, e, merged_slice_stats(a, s, q.unit, q.count));
+  normalize_held<T>(a, q, io, v, e, merged_slice_stats(a, s, q.unit, q.count));
 }
 
 // The GEMM route's epilogue of a plain conv: the bias and the residual added to the GEMM's
@@ -509,8 +537,8 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
                                 const GemmEpilogueIo& io, const GroupSlices& slices) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int units = a.batch * a.groups;
-  TORCH_INTERNAL_ASSERT(slices.slices == 1 || !(io.residual_pre || io.residual_rows || io.cols),
-                        "a sliced GroupNorm epilogue takes no io options");
+  TORCH_INTERNAL_ASSERT(slices.slices == 1 || !io.cols || io.taps == 1,
+                        "a sliced GroupNorm epilogue writes columns of one tap only");
   if (slices.slices > 1) {
     const dim3 grid(units * slices.slices);
     with_pre<T>(a, pre, form, [&](const auto& rows) {
@@ -518,13 +546,14 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
       if (slices.cluster) {  // group_slices_cluster_fit
         LaunchConfig launch(grid, dim3(kThreads), 0);
         launch.clusters(slices.slices);
-        C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), group_slices_cluster_kernel<T, Pre>, a, rows, slices));
+        C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), group_slices_cluster_kernel<T, Pre>, a, rows, slices, io));
         return;
       }
       if (slices.cooperative) {  // one launch (group_slices_fit)
         LaunchConfig launch(grid, dim3(kThreads), 0);
         launch.cooperative();
-        const cudaError_t error = cudaLaunchKernelEx(launch.get(), group_slices_kernel<T, Pre>, a, rows, slices);
+        const cudaError_t error =
+            cudaLaunchKernelEx(launch.get(), group_slices_kernel<T, Pre>, a, rows, slices, io);
         if (error == cudaSuccess) return;
         // Refused where the process has fewer SMs than planned for (a green context or an MPS
         // share without KernelConfig.sm_count): the two launches instead.
@@ -533,7 +562,7 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
       }
       group_slice_moments_kernel<T><<<grid, kThreads, 0, stream>>>(a, rows, slices);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices);
+      group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices, io);
     });
   } else if (form != GemmForm::kTapRows) {
     group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, pre, io);
