@@ -136,11 +136,11 @@ bool conv_epilogue_fits(const ConvProblem& p) {
 }
 
 // How many slices each group's epilogue is cut into (GroupSlices): one where a block holds
-// the group (group_held), which the GemmEpilogueIo options need; else at least enough that
-// each slice is held, and more where batch x groups blocks would leave SMs idle, until the
-// blocks fill the SMs or each thread has one element; and at most a cluster's blocks where
-// that leaves each slice held, on any GPU: the same slices, and bits, whichever kernel runs
-// them. One block reading a whole large group pass after pass took ~26 µs a launch on
+// the group (group_held), which GemmEpilogueIo's columns of several taps need; else at least
+// enough that each slice is held, and more where batch x groups blocks would leave SMs idle,
+// until the blocks fill the SMs or each thread has one element; and at most a cluster's
+// blocks where that leaves each slice held, on any GPU: the same slices, and bits, whichever
+// kernel runs them. One block reading a whole large group pass after pass took ~26 µs a launch on
 // LeRobot's U-Net at horizon 64, batch 1, bf16 (8 blocks of 4096 elements, every GroupNorm
 // conv of that U-Net); sliced, its DDPM-100 action went from 109.2 to 60.2 ms in bf16 and
 // from 151.2 to 137.2 ms in fp32 (H100, torch 2.11).
