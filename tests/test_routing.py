@@ -232,6 +232,18 @@ def test_explain_names_every_conv_and_its_route():
     # A GroupNorm group too large for the fused block epilogue: the block's op runs per conv.
     long = {r.module: r for r in explain(unet, 1, 512, device="cuda")}
     assert "runs per conv" in long["down_modules.0.0.blocks.1.block.0"].why
+    # ... unless, at batch 2+, the second conv's weight is taps-major (half precision): the
+    # epilogue's slices write its operand, as residual_block_cuda decides. LeRobot's U-Net at
+    # horizon 64 (groups of 2048-4096 elements).
+    with torch.device("meta"):
+        lerobot = ConditionalUnet1D(**UNETS["lerobot"])
+    for batch, dtype, fused in [(8, torch.bfloat16, True), (2, torch.float16, True), (1, torch.bfloat16, False),
+                                (8, torch.float32, False)]:
+        routes = {r.module: r for r in explain(lerobot, batch, 64, dtype=dtype, device="cuda")}
+        for module in ("down_modules.0.0.blocks.1.block.0", "mid_modules.0.blocks.1.block.0"):
+            route = routes[module]
+            assert ("block op" in route.route) == fused and ("runs per conv" in route.why) != fused, \
+                (batch, dtype, route)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
