@@ -111,6 +111,15 @@ class KernelConfig:
     # where they fill the SMs four times (not twice) lost at batch 1: horizon 64 101.51 /
     # 99.14 / 101.58, 128 113.91 / 108.99 / 114.17.
     fp32_gemm_max_splits: int = 32
+    # fp32 convs on the GEMM route (im2col form) over up to 16 positions (a batch-1 layer of a
+    # long horizon): the package's own GEMM (csrc/conv1d/cuda/narrow_gemm.cu), which streams
+    # the weights through a shared-memory ring, instead of cuBLAS's SIMT SGEMM cut into slices.
+    # H100, µs per fp32 conv1d_gn_mish of LeRobot's U-Net at batch 1 (im2col, GEMM, epilogue),
+    # narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 2048->2048 k5 52.0
+    # / 60.0 / 51.4, 4096->1024 50.8 / 62.2 / 51.2, 1024->1024 20.5 / 24.8 / 20.5; 2048->512
+    # over 16 positions (horizon 32) 22.1 / 32.4 / 22.2. Over 17-32 positions (two blocks'
+    # positions, each streaming the weights) it was no faster (docs/tried.md).
+    narrow_gemm: bool = True
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1. Also the
     # GEMM route's sliced GroupNorm epilogue (below): a group's slices one cluster, their
@@ -195,7 +204,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
                                 config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
                                 config.side_stream_fp32_max_positions, config.fp32_gemm_max_splits,
-                                config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
+                                config.narrow_gemm, config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
                                 config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
                                 config.sm_count or 0, process_default)
 
@@ -289,6 +298,31 @@ def _gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: to
     return splits if splits >= _SPLIT_FEWEST else 1
 
 
+# narrow_gemm's rule (csrc/conv1d/cuda/gemm_route.cpp's narrow_gemm_splits): positions, weight
+# rows per block, reduction elements and shared-memory bytes per stage of its ring.
+_NARROW_POSITIONS, _NARROW_ROWS, _NARROW_CHUNK = 16, 32, 128
+_NARROW_STAGE_BYTES = _NARROW_CHUNK * (_NARROW_POSITIONS + 4 + _NARROW_ROWS) * 4
+
+
+def _narrow_gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: torch.device,
+                        config: KernelConfig) -> int:
+    """The slices of its reduction narrow_gemm.cu cuts an im2col GEMM of `conv` into, or 0
+    where cuBLAS runs it (gemm_route.h's narrow_gemm_splits): fp32, no transposed conv, up to
+    16 positions, on a GPU known here; the tensors are taken as aligned, as the model's are."""
+    if (dtype != torch.float32 or isinstance(conv, nn.ConvTranspose1d) or not config.narrow_gemm
+            or positions > _NARROW_POSITIONS or not torch.cuda.is_available()):
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    reduction = conv.in_channels * conv.kernel_size[0]
+    if (props.major < 8 or reduction % 4 or positions % 4
+            or props.shared_memory_per_block_optin < 3 * _NARROW_STAGE_BYTES):
+        return 0
+    sms = min(props.multi_processor_count, config.sm_count) if config.sm_count else props.multi_processor_count
+    row_tiles, chunks = -(-conv.out_channels // _NARROW_ROWS), -(-reduction // _NARROW_CHUNK)
+    wanted = min(max(sms // row_tiles, 1), chunks)
+    return -(-chunks // -(-chunks // wanted))
+
+
 def _taps_major_pays(conv: nn.Conv1d, batch: int, length: int, dtype: torch.dtype, config: KernelConfig,
                      device: Optional[torch.device]) -> bool:
     if (dtype not in (torch.float16, torch.bfloat16) or conv.kernel_size[0] == 1
@@ -374,7 +408,11 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config, device)
     sized = conv  # the conv whose size decides the route
 
-    def sliced(gemm_conv: nn.Module) -> str:
+    def sliced(gemm_conv: nn.Module, narrow: bool = True) -> str:
+        """The GEMM's kernel where it is the package's (narrow_gemm), and its slices."""
+        splits = _narrow_gemm_splits(gemm_conv, positions, dtype, device, config) if narrow else 0
+        if splits:
+            return ", narrow GEMM" + (f", {splits} slices" if splits > 1 else "")
         splits = _gemm_splits(gemm_conv, positions, dtype, device, config)
         return f", {splits} slices" if splits > 1 else ""
 
@@ -389,9 +427,10 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
             layout = ", taps-major" if taps else ""
             if group <= _BLOCK_OP_MAX_GROUP or (batch > 1 and _taps_major_pays(second, batch, length, dtype, config,
                                                                                 device)):
-                # The op's shortcut GEMM is never split.
+                # The op's shortcut GEMM is never split; its second conv's GEMM reads its
+                # columns transposed, which the narrow GEMM does not.
                 if not taps and conv is not block.residual_conv:
-                    layout = sliced(conv)
+                    layout = sliced(conv, narrow=conv is not second)
                 return ConvRoute(name, described, "GEMM, block op" + layout,
                                  "its residual block runs as one op on the GEMM route")
             layout = layout or sliced(conv)

@@ -90,6 +90,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="add torch.compile max-autotune (slow)")
     parser.add_argument("--out", default=".", help="folder for benchmark.json and benchmark.png")
     parser.add_argument("--ours-only", action="store_true", help="skip eager, graph and compile")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16", "float16"],
+                        choices=["float32", "bfloat16", "float16"], help="the dtypes ours runs in")
     parser.add_argument("--gemm-min-positions", type=int,
                         help="run ours with this KernelConfig.gemm_min_positions (to measure a crossover)")
     parser.add_argument("--gemm-min-work", type=int,
@@ -147,7 +149,7 @@ def run(args):
                         results[name] = median_ms(fn, reps=3 if name == "eager" else 7)
                     base.use_fused_ops = True
                     actions = {}
-                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    for dtype in (getattr(torch, name) for name in args.dtype):
                         unet = base if dtype == torch.float32 else \
                             ConditionalUnet1D(**UNETS[unet_name]).cuda().eval().to(dtype)
                         if unet is not base:
@@ -166,7 +168,7 @@ def run(args):
                     ratio = lambda other: f"{results[other] / ms:7.2f}x" if other in results else f"{'-':>8}"
                     dtype = {"ours bfloat16": torch.bfloat16, "ours float16": torch.float16}.get(name)
                     # Same noise and observations: how far half-precision weights move the action.
-                    error = None if dtype is None else \
+                    error = None if dtype is None or torch.float32 not in actions else \
                         (actions[dtype] - actions[torch.float32]).abs().max().item()
                     row = dict(unet=unet_name, schedule=schedule_name, horizon=horizon, batch=batch, method=name,
                                ms_per_action=ms, us_per_step=1e3 * ms / steps, floor_ms=floor,

@@ -1,5 +1,5 @@
-"""fp32 GEMMs cut along their reduction (KernelConfig.fp32_gemm_max_splits; gemm_route.h's
-gemm_splits): each op on the GEMM route, with the GEMM whole and split into 8 to 32 slices
+"""fp32 cuBLAS GEMMs cut along their reduction (KernelConfig.fp32_gemm_max_splits; gemm_route.h's
+gemm_splits; the narrow GEMM, which would take most of these shapes, off): each op on the GEMM route, with the GEMM whole and split into 8 to 32 slices
 whose partial sums the epilogue adds up, against the float64 references of the ops' own tests
 (fp32 tolerance 1e-4 there). The shapes are a few 128 x 32 tiles, which any GPU of 8 SMs or
 more splits: a held GroupNorm group, a sliced one (4096 elements), an odd batch and length, a
@@ -26,7 +26,7 @@ def whole_and_split(run):
     three outputs."""
     outs = []
     for splits in (1, 8, 32):
-        with kernel_config(gemm_min_positions=1, fp32_gemm_max_splits=splits):
+        with kernel_config(gemm_min_positions=1, fp32_gemm_max_splits=splits, narrow_gemm=False):
             outs.append(run())
     return outs
 

@@ -191,18 +191,27 @@ def test_explain_names_every_conv_and_its_route():
     # In fp32 the 2048- and 1024-channel convs at 16 positions (2048 x 2048 x 5 x 16 and
     # 1024 x 1024 x 5 x 16 multiply-adds) take the GEMM route by their work; the stride-2
     # downsampling conv (1024 x 1024 x 3 x 16) does not.
-    # On a GPU of 128+ SMs their GEMMs are cut into slices of the reduction (gemm_splits): 2048
-    # rows over 16 positions (16 of cuBLAS's 128 x 32 tiles) into 16, 1024 rows (8 tiles) into
-    # 32. Without a GPU here, or with fp32_gemm_max_splits 1, they are whole.
+    # On a GPU their GEMMs are the package's narrow GEMM, cut into slices that put a block on
+    # each SM (narrow_gemm_splits): 2048 rows (64 blocks of 32) into 2, 1024 rows into 4 on an
+    # H100's 132. Without it (narrow_gemm off), on a GPU of 128+ SMs cuBLAS's GEMMs are cut
+    # (gemm_splits): 2048 rows over 16 positions (16 of cuBLAS's 128 x 32 tiles) into 16, 1024
+    # rows (8 tiles) into 32. Without a GPU here, or with fp32_gemm_max_splits 1 too, they are
+    # whole.
     sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
-    with torch.device("meta"), kernel_config(fp32_gemm_max_splits=1):
-        whole = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
+    with torch.device("meta"), kernel_config(narrow_gemm=False):
+        cublas = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
+        with kernel_config(fp32_gemm_max_splits=1):
+            whole = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
     for module in ("mid_modules.0.blocks.0.block.0", "down_modules.2.1.blocks.1.block.0",
                    "up_modules.0.1.blocks.0.block.0"):
         assert wide[module].route.startswith("GEMM") and "multiply-adds" in wide[module].why, wide[module]
         slices = "GEMM, 16 slices" if module != "up_modules.0.1.blocks.0.block.0" else "GEMM, 32 slices"
-        if sms == 0 or 128 <= sms < 256:  # the counts the rule gives there (gemm_splits)
-            assert wide[module].route == (slices if sms else "GEMM"), wide[module]
+        narrow_slices = "GEMM, narrow GEMM, " + ("2" if module != "up_modules.0.1.blocks.0.block.0" else "4")
+        if sms == 0 or 128 <= sms < 256:  # the counts the rules give there (gemm_splits)
+            assert cublas[module].route == (slices if sms else "GEMM"), cublas[module]
+        if 128 <= sms < 192:  # narrow_gemm_splits
+            assert wide[module].route == narrow_slices + " slices", wide[module]
+        assert wide[module].route == "GEMM" or sms, wide[module]
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
@@ -307,3 +316,35 @@ def test_gemm_splits_rule(sms, out_channels, in_channels, kernel, positions, spl
     assert routing._gemm_splits(transposed, positions, torch.float32, torch.device("cuda"), config) == 1
     assert routing._gemm_splits(conv, positions, torch.float32, torch.device("cuda"),
                                 KernelConfig(fp32_gemm_max_splits=1)) == 1
+
+
+@pytest.mark.parametrize("sms,out_channels,in_channels,kernel,positions,splits", [
+    (132, 2048, 2048, 5, 16, 2),    # 64 blocks of 32 rows: 2 slices put one on each SM
+    (132, 1024, 4096, 5, 16, 4),    # 32 blocks: 4
+    (132, 256, 256, 5, 12, 10),     # 8 blocks: 16 wanted, but a reduction of 10 chunks: a slice each
+    (132, 1024, 1024, 5, 32, 0),    # more than a block's 16 positions: cuBLAS
+    (132, 256, 256, 5, 14, 0),      # positions not a multiple of 4
+    (132, 256, 3, 5, 16, 0),        # a reduction of 15, not a multiple of 4
+    (132, 32, 16, 5, 16, 1),        # one block, a reduction of one chunk: whole
+    (16, 2048, 2048, 5, 16, 1),     # 16 SMs (a green context): 64 blocks already, whole
+])
+def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, splits, monkeypatch):
+    """explain()'s mirror of the ops' narrow_gemm_splits on a stand-in H100-like GPU of `sms`
+    SMs (no GPU is needed): fp32 im2col GEMMs only, none before Ampere or where a block's
+    shared memory holds fewer than 3 stages of the ring."""
+    props = dict(major=9, multi_processor_count=sms, shared_memory_per_block_optin=227 << 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
+    conv = torch.nn.Conv1d(in_channels, out_channels, kernel, device="meta")
+    cuda, config = torch.device("cuda"), KernelConfig()
+    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == splits
+    assert routing._narrow_gemm_splits(conv, positions, torch.bfloat16, cuda, config) == 0
+    transposed = torch.nn.ConvTranspose1d(in_channels, out_channels, kernel, device="meta")
+    assert routing._narrow_gemm_splits(transposed, positions, torch.float32, cuda, config) == 0
+    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(narrow_gemm=False)) == 0
+    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(sm_count=8)) == \
+        (1 if splits else 0)
+    for older in (dict(major=7), dict(shared_memory_per_block_optin=64 << 10)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None, o=older: type("Properties", (), {**props, **o}))
+        assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == 0

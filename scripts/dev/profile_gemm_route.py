@@ -14,12 +14,16 @@ both orientations, with results in x's dtype and in fp32. --splits instead times
 of LeRobot's U-Net's GroupNorm convs at long horizons whole and cut into 2 to 32 slices of
 the reduction (one strided-batched GEMM; the partial sums' addition is the epilogue's): in
 fp32 beside the count gemm_splits takes (KernelConfig.fp32_gemm_max_splits); with --dtype
-bfloat16 the taps-major GEMMs half precision takes, which the ops never cut.
+bfloat16 the taps-major GEMMs half precision takes, which the ops never cut. --narrow instead
+times each fp32 GroupNorm conv of LeRobot's U-Net that narrow_gemm.cu takes at long horizons
+(ops.conv1d_gn_mish: im2col, GEMM and epilogue, CUDA-graphed) with that GEMM and with
+cuBLAS's (kernel_config(narrow_gemm=...)), interleaved narrow, cuBLAS, narrow.
 
     python scripts/dev/profile_gemm_route.py [--batch 64] [--dtype bfloat16] [--by-shape]
     python scripts/dev/profile_gemm_route.py --side-stream
     python scripts/dev/profile_gemm_route.py --taps-as-rows
     python scripts/dev/profile_gemm_route.py --splits [--dtype bfloat16]
+    python scripts/dev/profile_gemm_route.py --narrow
 """
 import argparse
 from collections import defaultdict
@@ -30,7 +34,8 @@ from diffusion_policy_accelerated import ConditionalUnet1D, ops
 from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_shapes
 from diffusion_policy_accelerated.model import conv1d_block_shapes
 from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
-from diffusion_policy_accelerated.routing import KernelConfig, _gemm_splits, kernel_config
+from diffusion_policy_accelerated.routing import (KernelConfig, _gemm_by_size, _gemm_splits, _narrow_gemm_splits,
+                                                  kernel_config)
 
 WIDTHS = {name: UNETS[name]["down_dims"] for name in ("lowdim", "image")}
 
@@ -65,6 +70,15 @@ def taps_as_rows_table():
                           flush=True)
 
 
+def lerobot_block_calls(horizon):
+    """(in_channels, out_channels, length) of every Conv1dBlock call of LeRobot's default U-Net
+    at this horizon, in call order."""
+    with torch.device("meta"):
+        model = ConditionalUnet1D(2, global_cond_dim=32, down_dims=UNETS["lerobot"]["down_dims"], kernel_size=5,
+                                  cond_predict_scale=True)
+    return [call[1:4] for call in conv1d_block_shapes(model, horizon)]
+
+
 def splits_table(dtype, horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8, 16, 32)):
     """Each GroupNorm conv shape of LeRobot's U-Net, its GEMM whole against [S, ...] x [S, ...]
     over S slices of the reduction: in fp32 [M, cin*k] x [cin*k, N] and the S the ops take
@@ -76,10 +90,7 @@ def splits_table(dtype, horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8,
     print(f"== {str(dtype)[6:]} us per GEMM: whole | " + " ".join(f"{s:>6}" for s in counts) + " slices"
           + (" | the ops' count" if fp32 else ""))
     for horizon in horizons:
-        with torch.device("meta"):
-            model = ConditionalUnet1D(2, global_cond_dim=32, down_dims=UNETS["lerobot"]["down_dims"], kernel_size=5,
-                                      cond_predict_scale=True)
-        calls = [call[1:4] for call in conv1d_block_shapes(model, horizon)]
+        calls = lerobot_block_calls(horizon)
         for batch in batches:
             total = [0.0] * (1 + len(counts))
             for cin, cout, length, k, _ in distinct_block_shapes(UNETS["lerobot"]["down_dims"], horizon):
@@ -102,6 +113,41 @@ def splits_table(dtype, horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8,
                       + " ".join(f"{v * 1e3:6.1f}" for v in row[1:]) + taken, flush=True)
             print(f"T{horizon:<4} B{batch:<2} one forward's GroupNorm convs (whole where a count cannot cut): "
                   + " | ".join(f"{v * 1e3:.1f}" for v in total), flush=True)
+
+
+def narrow_table(horizons=(32, 64, 128), batches=(1, 2, 4)):
+    """µs per fp32 GroupNorm conv op of LeRobot's U-Net, narrow GEMM / cuBLAS / narrow GEMM,
+    where the narrow GEMM takes it; and the sums over one forward's such convs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda, config = torch.device("cuda"), KernelConfig()
+    print("== float32 us per conv1d_gn_mish (im2col + GEMM + epilogue): narrow / cuBLAS / narrow | slices")
+    for horizon in horizons:
+        calls = lerobot_block_calls(horizon)
+        for batch in batches:
+            total = [0.0, 0.0, 0.0]
+            for cin, cout, length, k, groups in distinct_block_shapes(UNETS["lerobot"]["down_dims"], horizon):
+                conv = torch.nn.Conv1d(cin, cout, k, device="meta")
+                positions = batch * length
+                splits = _narrow_gemm_splits(conv, positions, torch.float32, cuda, config)
+                if not splits or not _gemm_by_size(conv, positions, torch.float32, config, cuda):
+                    continue
+                copies = weight_copies(cout * cin * k * 4)
+                ws = [torch.randn(cout, cin, k, device="cuda") * (cin * k) ** -0.5 for _ in range(copies)]
+                x = torch.randn(batch, cin, length, device="cuda")
+                b, gamma, beta = (torch.randn(cout, device="cuda") for _ in range(3))
+                counters = torch.zeros(cout, dtype=torch.int32, device="cuda")
+                row = []
+                for narrow in (True, False, True):
+                    with kernel_config(narrow_gemm=narrow):
+                        row.append(graph_time_ms(lambda i: ops.conv1d_gn_mish(x, ws[i], b, gamma, beta, groups,
+                                                                              counters=counters), copies))
+                n = calls.count((cin, cout, length))
+                total = [t + n * v for t, v in zip(total, row)]
+                print(f"T{horizon:<4} B{batch:<2} {cin:5}->{cout:<5} L{length:<4} x{n} "
+                      + " / ".join(f"{v * 1e3:6.1f}" for v in row) + f" | {splits}", flush=True)
+            if total[0]:
+                print(f"T{horizon:<4} B{batch:<2} one forward's such convs: "
+                      + " / ".join(f"{v * 1e3:.1f}" for v in total), flush=True)
 
 
 def residual_block_args(cin, cout, k, groups, dtype):
@@ -191,8 +237,12 @@ def main():
                         help="time the GroupNorm convs' GEMMs with the taps as weight rows instead")
     parser.add_argument("--splits", action="store_true",
                         help="time LeRobot's fp32 GEMMs whole and cut into slices of the reduction instead")
+    parser.add_argument("--narrow", action="store_true",
+                        help="time LeRobot's fp32 GroupNorm convs with the narrow GEMM and cuBLAS's instead")
     args = parser.parse_args()
-    if args.splits:
+    if args.narrow:
+        narrow_table()
+    elif args.splits:
         splits_table(getattr(torch, args.dtype or "float32"))
     elif args.taps_as_rows:
         taps_as_rows_table()

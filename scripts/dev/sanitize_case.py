@@ -5,8 +5,8 @@ transposed convs, FiLM and residual epilogues, a long-slice GroupNorm conv strea
 the cluster kernel's shared-memory weight ring, caller-owned counters, a conv and its 1x1
 shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEMM route of
 the ops (residual blocks included, contiguous and taps-major weights, outputs stored and
-inputs read channels-last, GroupNorm groups held or cut into slices: clusters, one launch or two),
-launch plans for a budget of a few SMs, denoise steps, and a small U-Net's denoising loop
+inputs read channels-last, GroupNorm groups held or cut into slices: clusters, one launch or two;
+fp32 GEMMs over few positions), launch plans for a budget of a few SMs, denoise steps, and a small U-Net's denoising loop
 (fp32 and bf16, batch 1 and 2)."""
 import torch
 
@@ -127,6 +127,19 @@ def main():
                         out = ops.residual_block(stored, weights[1], None, None, None, weights[1], None, None, None,
                                                  2, 1e-5, None, None, counters=counters)
                         assert torch.isfinite(out).all()
+    # fp32 GEMMs over few positions on that route (narrow_gemm.cu): rows, reduction and
+    # positions partly masked, two batch rows, a shortcut reading every fifth row of its conv's
+    # columns (the centre tap's).
+    with kernel_config(gemm_min_positions=1):
+        for batch, cin, cout, length, k, groups in [(1, 100, 40, 12, 5, 4), (2, 1024, 96, 8, 5, 8)]:
+            x = torch.randn(batch, cin, length, device="cuda")
+            w = torch.randn(cout, cin, k, device="cuda") / (cin * k) ** 0.5
+            assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, counters=counters)).all()
+        x = torch.randn(1, 1024, 16, device="cuda")
+        outs = ops.conv1d_gn_mish_shortcut(x, torch.randn(256, 1024, 5, device="cuda") / 72, None, None, None, 8,
+                                           1e-5, torch.randn(256, 1024, 1, device="cuda") / 32, None,
+                                           counters=counters)
+        assert all(torch.isfinite(out).all() for out in outs)
     # Launch plans for a budget of SMs (KernelConfig.sm_count): few, odd splits and slices.
     for sm_count, clusters in ((3, True), (7, False)):
         with kernel_config(sm_count=sm_count, clusters=clusters):

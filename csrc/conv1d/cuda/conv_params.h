@@ -34,7 +34,9 @@
 //                        split-K and clusters;
 //   gemm_epilogue.cuh    the im2col + cuBLAS route's kernels (im2col, the GroupNorm and plain
 //                        epilogues), taken from ~32 positions on, where each weight feeds
-//                        enough outputs that cuBLAS wins.
+//                        enough outputs that cuBLAS wins;
+//   narrow_gemm.cu       that route's fp32 GEMM where it has few positions (a batch-1 long
+//                        horizon's layers), in place of cuBLAS's SIMT SGEMM.
 // Which route a conv takes, and why: diffusion_policy_accelerated/routing.py; how a
 // streaming conv is cut into blocks or clusters: launch_plan.cpp.
 #pragma once
@@ -245,5 +247,26 @@ bool group_slices_cluster_fit(const StreamArgs& a, GemmForm form, int slices, in
 // The plain conv's epilogue (bias, residual) over `pre`, into a.out ([B, C_out, L_out]).
 template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form);
+
+// The GEMM route's fp32 GEMM over few positions (narrow_gemm.cu), in place of cuBLAS's where
+// gemm_route.cpp's narrow_gemm_takes says: out[s][m][n], for s < splits, is the sum over
+// reduction slice s (split_chunks chunks of kNarrowChunk elements) of weight[m][k] *
+// cols[k][n]: a GemmResult of `splits` partial sums.
+constexpr int kNarrowPositions = 16;  // positions per block
+constexpr int kNarrowChunk = 128;     // reduction elements per stage of the ring
+struct NarrowGemm {
+  const float* weight;  // [m][red], 16-byte aligned, red % 4 == 0
+  const float* cols;    // [red][positions], rows ld_cols apart; 16-byte aligned, positions % 4 == 0
+  int64_t ld_cols;
+  float* out;           // [splits][m][positions]
+  int m, red, positions, splits, split_chunks;
+  bool weights_evict_first;
+};
+// Weight rows per block.
+int narrow_gemm_rows();
+// Stages of the kernel's ring that a block's shared memory holds on the current device: 3 or
+// 4, or 0 where it holds fewer (the kernel is not taken there).
+int narrow_gemm_stages();
+void launch_narrow_gemm(const NarrowGemm& g, int stages);
 
 }  // namespace dpa

@@ -27,6 +27,7 @@ namespace {
 // (scripts/dev/profile_gemm_route.py --splits times every such GEMM both ways).
 constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth = 128, kSplitFewest = 8;
 
+
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
 // where it split the reduction, else [m, positions].
 GemmResult gemm_result(const at::Tensor& pre) {
@@ -102,6 +103,20 @@ int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
   return splits >= kSplitFewest ? splits : 1;
 }
 
+int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form) {
+  if (form != GemmForm::kIm2col || cols.scalar_type() != at::kFloat || !kernel_config().narrow_gemm) return 0;
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  if (props->major < 8 || a.positions > kNarrowPositions) return 0;
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  if (a.red % 4 != 0 || a.positions % 4 != 0 || rows.stride(0) != a.red || rows.stride(1) != 1 ||
+      cols.stride(1) != 1 || cols.stride(0) % 4 != 0 || !aligned(rows) || !aligned(cols) || narrow_gemm_stages() == 0) {
+    return 0;
+  }
+  const int row_tiles = ceil_div(a.m, narrow_gemm_rows()), chunks = ceil_div(a.red, kNarrowChunk);
+  const int wanted = std::clamp(sm_budget() / row_tiles, 1, chunks);
+  return ceil_div(chunks, ceil_div(chunks, wanted));  // none empty
+}
+
 // Where taps are rows the result is fp32: an output adds up K of its elements, and each
 // one's rounding to half precision would add an error of its own.
 at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
@@ -110,6 +125,14 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
     case GemmForm::kIm2col: rows = weight.reshape({a.m, a.red}); break;
     case GemmForm::kTapRows: rows = weight.as_strided({a.m, a.red}, {a.red, 1}); break;
     case GemmForm::kTransposed: rows = weight.reshape({a.red, a.m}).t(); break;
+  }
+  if (const int splits = narrow_gemm_splits(a, rows, cols, form); splits > 0) {
+    at::Tensor out = at::empty({splits, a.m, a.positions}, cols.options());
+    const NarrowGemm g{rows.data_ptr<float>(), cols.data_ptr<float>(), cols.stride(0), out.data_ptr<float>(),
+                       a.m, a.red, a.positions, splits, ceil_div(ceil_div(a.red, kNarrowChunk), splits),
+                       kernel_config().weights_evict_first};
+    launch_narrow_gemm(g, narrow_gemm_stages());
+    return splits > 1 ? out : out.select(0, 0);
   }
   if (const int splits = gemm_splits(a, cols, form); splits > 1) {
     // [splits, m, red / splits] x [splits, red / splits, positions], both read in place.

@@ -65,9 +65,15 @@ at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form)
 // DDPM-100, fp32, 115.4 -> 100.8 ms on an H100 (routing.py has the measurements).
 int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
 
-// One cuBLAS GEMM over every position (tensor cores for fp16 / bf16; fp32 follows
+// The slices of its reduction that narrow_gemm.cu cuts an fp32 conv's im2col GEMM into, or 0
+// where cuBLAS runs it: KernelConfig.narrow_gemm, up to 16 positions (one block's), 16-byte
+// aligned rows, a GPU since Ampere; as many slices as put one block on each SM.
+int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form);
+
+// The conv's GEMM over every position: narrow_gemm.cu's where narrow_gemm_splits takes it,
+// else one cuBLAS GEMM (tensor cores for fp16 / bf16; fp32 follows
 // torch.backends.cuda.matmul.allow_tf32, off by default): the [m, positions] result without
-// the bias, which the epilogue adds, or [splits, m, positions] partial sums (gemm_splits).
+// the bias, which the epilogue adds, or [splits, m, positions] partial sums.
 // The weight is read in place (a transposed conv's [C_in, C_out * K] as the transposed
 // operand).
 at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form);

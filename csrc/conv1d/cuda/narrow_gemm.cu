@@ -1,0 +1,184 @@
+// The GEMM route's fp32 GEMM over few positions (NarrowGemm, conv_params.h): a batch-1 layer
+// of a long horizon, [C_out, C_in * K] x [C_in * K, 16 or 32 positions], whose weights are
+// read once and feed only 16 multiply-adds each. cuBLAS's SIMT SGEMM tiles such a GEMM into a
+// few 128 x 32 tiles over long reductions, which even cut into slices (gemm_splits) stream
+// the weights well below the copy bandwidth. Here every block streams 32 weight rows over a
+// slice of the reduction through a cp.async ring, so the bytes in flight are set by shared
+// memory, not registers: LeRobot's 2048 -> 2048 k5 conv over 16 positions (84 MB of weights)
+// took 52 µs against 60 (im2col, GEMM and epilogue; routing.py has the measurements), and
+// one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
+//
+// A block: kWarps warps x kRows weight rows, kPositions positions, split_chunks chunks of
+// kChunk reduction elements. Each stage of the ring holds a chunk of the columns, staged
+// k-major with rows padded to kPositions + 4 floats, and each warp's kRows x kChunk weights.
+// Lane l owns reduction elements l + 32 j of a chunk: its 16-byte reads of a staged row (4
+// positions) then fall in distinct banks across the warp, and its weights are read back one
+// float at a time (consecutive across lanes). Every staged column value feeds kRows
+// multiply-adds, every weight kPositions. The lanes' partial sums meet in a transposing
+// butterfly; the splits' partial sums are added by the epilogue, in slice order.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "common/launch.h"
+#include "conv1d/cuda/device_common.cuh"
+#include "conv1d/cuda/launch_plan.h"
+
+namespace dpa {
+
+namespace {
+
+constexpr int kRows = 4;                          // weight rows per warp
+constexpr int kStagedRow = kNarrowPositions + 4;  // floats per staged row: conflict-free reads
+
+// A 16-byte copy into shared memory, zero-filled where `valid` is false (nothing is read then).
+__device__ __forceinline__ void copy16(float* shared, const float* global, bool valid, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(global),
+               "r"(valid ? 16 : 0), "l"(policy));
+#endif
+}
+
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+
+// Returns once all but the `kPending` most recent groups of this thread's copies have landed.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#endif
+}
+
+template <int kStages>
+__global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGemm g) {
+  extern __shared__ float4 shared_f4[];
+  float* staged = reinterpret_cast<float*>(shared_f4);          // [kStages][kNarrowChunk][kStagedRow]
+  float* ring = staged + kStages * kNarrowChunk * kStagedRow;    // [kStages][kWarps][kRows][kNarrowChunk]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = (blockIdx.x * kWarps + warp) * kRows;
+  const int n0 = blockIdx.z * kNarrowPositions;
+  const int first = blockIdx.y * g.split_chunks;
+  const int chunks = min(g.split_chunks, (g.red + kNarrowChunk - 1) / kNarrowChunk - first);
+  const float* weight = g.weight;
+  const uint64_t policy = weight_policy(g.weights_evict_first), normal = weight_policy(false);
+
+  // A lane copies its own 16 bytes of each of its warp's rows: the elements it reads back.
+  const auto copy_weights = [&](int stage, int chunk) {
+    if (chunk >= chunks) return;
+    const int k = (first + chunk) * kNarrowChunk + lane * 4;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = row0 + r;
+      const bool valid = row < g.m && k < g.red;
+      copy16(ring + ((stage * kWarps + warp) * kRows + r) * kNarrowChunk + lane * 4,
+             valid ? weight + static_cast<int64_t>(row) * g.red + k : weight, valid, policy);
+    }
+  };
+  const auto copy_columns = [&](int stage, int chunk) {
+    if (chunk >= chunks) return;
+    constexpr int kQuads = kNarrowPositions / 4;
+#pragma unroll
+    for (int i = threadIdx.x; i < kNarrowChunk * kQuads; i += kThreads) {
+      const int kk = i / kQuads, q = i % kQuads;
+      const int k = (first + chunk) * kNarrowChunk + kk, n = n0 + 4 * q;
+      const bool valid = k < g.red && n < g.positions;
+      copy16(staged + (stage * kNarrowChunk + kk) * kStagedRow + 4 * q,
+             valid ? g.cols + static_cast<int64_t>(k) * g.ld_cols + n : g.cols, valid, normal);
+    }
+  };
+
+  // The weights' first stages are requested before the previous kernel (im2col) has ended;
+  // the columns after. One group of copies per stage and kind here, one per stage below:
+  // waiting for all but kStages - 2 groups finds stage c's columns (and weights) landed.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    copy_weights(s, s);
+    commit_copies();
+  }
+  allow_dependents();
+  wait_for_producer();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    copy_columns(s, s);
+    commit_copies();
+  }
+
+  float acc[kRows * kNarrowPositions];
+#pragma unroll
+  for (int i = 0; i < kRows * kNarrowPositions; ++i) acc[i] = 0.f;
+  int stage = 0;
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    wait_copies<kStages - 2>();
+    __syncthreads();  // the stage's columns are every thread's copies; the stage refilled below was read by all
+    const int refill = stage == 0 ? kStages - 1 : stage - 1;
+    copy_weights(refill, chunk + kStages - 1);
+    copy_columns(refill, chunk + kStages - 1);
+    commit_copies();
+    const float* weights = ring + (stage * kWarps + warp) * kRows * kNarrowChunk;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = lane + 32 * j;
+      float w[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) w[r] = weights[r * kNarrowChunk + k];
+      const float* x = staged + (stage * kNarrowChunk + k) * kStagedRow;
+#pragma unroll
+      for (int q = 0; q < kNarrowPositions / 4; ++q) {
+        const float4 xv = *reinterpret_cast<const float4*>(x + 4 * q);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          float* a = acc + r * kNarrowPositions + 4 * q;
+          a[0] = fmaf(w[r], xv.x, a[0]);
+          a[1] = fmaf(w[r], xv.y, a[1]);
+          a[2] = fmaf(w[r], xv.z, a[2]);
+          a[3] = fmaf(w[r], xv.w, a[3]);
+        }
+      }
+    }
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+
+  int base = 0;
+  transpose_reduce<kRows * kNarrowPositions, 16>(acc, lane, base);
+  constexpr int kOwned = kRows * kNarrowPositions / 32;
+  static_assert(kOwned >= 1, "a lane owns whole sums");
+#pragma unroll
+  for (int j = 0; j < kOwned; ++j) {
+    const int row = row0 + (base + j) / kNarrowPositions, n = n0 + (base + j) % kNarrowPositions;
+    if (row < g.m && n < g.positions) {
+      g.out[(static_cast<int64_t>(blockIdx.y) * g.m + row) * g.positions + n] = acc[j];
+    }
+  }
+}
+
+size_t stage_bytes() {
+  return static_cast<size_t>(kNarrowChunk) * (kStagedRow + kWarps * kRows) * sizeof(float);
+}
+
+}  // namespace
+
+int narrow_gemm_rows() { return kWarps * kRows; }
+
+int narrow_gemm_stages() {
+  // The most stages up to 4 (3 in flight while one is read) that a block's shared memory
+  // holds; fewer than 3 would leave no copy in flight behind the one awaited.
+  const int most = static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin / stage_bytes());
+  return std::min(most, 4) >= 3 ? std::min(most, 4) : 0;
+}
+
+void launch_narrow_gemm(const NarrowGemm& g, int stages) {
+  TORCH_INTERNAL_ASSERT(stages == 3 || stages == 4, "narrow_gemm: 3 or 4 stages, got ", stages);
+  const auto kernel = stages == 4 ? narrow_gemm_kernel<4> : narrow_gemm_kernel<3>;
+  const size_t bytes = stages * stage_bytes();
+  set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
+  LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits, ceil_div(g.positions, kNarrowPositions)),
+                      dim3(kThreads), bytes);
+  launch.programmatic_dependent();
+  C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, g));
+}
+
+}  // namespace dpa

@@ -1,0 +1,97 @@
+"""The GEMM route's own fp32 GEMM over few positions (KernelConfig.narrow_gemm; narrow_gemm.cu,
+taken where gemm_route.h's narrow_gemm_splits says): each op on the GEMM route with it and
+with cuBLAS's, against the float64 references of the ops' own tests (fp32 tolerance 1e-4
+there). The shapes cover what the kernel masks: output channels that are not a multiple of
+its 32 rows a block, reductions that are not a multiple of its 128-element chunk, fewer
+positions than its 16, two batch rows, a sliced GroupNorm group, a strided conv, a block's
+first conv with its 1x1 shortcut (which reads the centre tap's rows of the same columns,
+every fifth row), and a whole residual block (its first GEMM). Bits that differ from cuBLAS's
+(another summation order) show that the kernel ran; its partial sums' buffer is poisoned
+with NaN first, so an unwritten partial shows. Where the kernel cannot take a GEMM
+(positions or reductions not a multiple of 4, more than 16 positions) the bits are cuBLAS's."""
+
+import pytest
+import torch
+
+from diffusion_policy_accelerated import routing
+from diffusion_policy_accelerated.routing import KernelConfig, kernel_config
+from conftest import poison_allocator
+import test_conv1d as conv1d_tests
+import test_conv1d_gn_mish as gn_mish_tests
+import test_conv1d_gn_mish_shortcut as shortcut_tests
+import test_residual_block as block_tests
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def splits(cin, cout, k, positions):
+    conv = torch.nn.Conv1d(cin, cout, k, device="meta")
+    return routing._narrow_gemm_splits(conv, positions, torch.float32, torch.device("cuda"), KernelConfig())
+
+
+def narrow_and_cublas(run, partials):
+    """run() on the GEMM route with the narrow GEMM, then with cuBLAS's; `partials`: the
+    elements of the narrow GEMM's partial sums, poisoned before it runs."""
+    outs = []
+    for narrow in (True, False):
+        with kernel_config(gemm_min_positions=1, narrow_gemm=narrow):
+            if narrow:
+                poison_allocator("cuda", partials, torch.float32)
+            outs.append(run())
+    return outs
+
+
+def assert_narrow_ran(outs):
+    assert not torch.equal(outs[0], outs[1]), "the narrow GEMM gave cuBLAS's bits: it did not run"
+
+
+# (batch, C_in, C_out, length, kernel, groups): 40 rows (a block's 32 and 8 of the next), a
+# reduction of 500 (3 chunks and 116) over 12 positions; 96 rows over 16; two batch rows of 8;
+# a 512-channel group of 8192 elements (sliced epilogue).
+@pytest.mark.parametrize("shape", [(1, 100, 40, 12, 5, 4), (1, 1024, 96, 16, 5, 8), (2, 256, 64, 8, 5, 8),
+                                   (1, 512, 512, 16, 5, 1)], ids=str)
+def test_conv1d_gn_mish(shape):
+    batch, cin, cout, length, k, _ = shape
+    s = splits(cin, cout, k, batch * length)
+    assert s > 0, "the shape should take the narrow GEMM"
+    assert_narrow_ran(narrow_and_cublas(lambda: gn_mish_tests.check(shape, torch.float32, "cuda"),
+                                        s * cout * batch * length))
+
+
+# (batch, C_in, C_out, length, kernel, stride, padding, transposed): a stride-2 downsampling
+# conv to 16 positions, and batch 3 of length 4.
+@pytest.mark.parametrize("shape", [(1, 512, 64, 32, 3, 2, 1, False), (3, 160, 48, 4, 5, 1, 2, False)], ids=str)
+def test_conv1d(shape):
+    batch, cin, cout, length, k, stride, padding, _ = shape
+    positions = batch * ((length + 2 * padding - k) // stride + 1)
+    s = splits(cin, cout, k, positions)
+    assert s > 0, "the shape should take the narrow GEMM"
+    assert_narrow_ran(narrow_and_cublas(lambda: conv1d_tests.check(shape, torch.float32, "cuda"),
+                                        s * cout * positions))
+
+
+@pytest.mark.parametrize("skip_from", [None, 512], ids=["x", "x and skip"])
+def test_conv1d_gn_mish_shortcut(skip_from):
+    shape = (1, 1024, 256, 16, 5, 8)
+    outs, shortcuts = zip(*narrow_and_cublas(
+        lambda: shortcut_tests.check(shape, torch.float32, "cuda", skip_from=skip_from), splits(1024, 256, 5, 16) * 256 * 16))
+    assert_narrow_ran(outs)
+    assert_narrow_ran(shortcuts)
+
+
+def test_residual_block():
+    """One op on the GEMM route (groups of 512 elements, held): its first conv's GEMM is the
+    narrow one; its second reads the first epilogue's columns transposed and stays cuBLAS's."""
+    shape = (1, 1024, 256, 16, 5, 8)
+    assert_narrow_ran(narrow_and_cublas(lambda: block_tests.check(shape, torch.float32, "cuda")[2],
+                                        splits(1024, 256, 5, 16) * 256 * 16))
+
+
+# Not taken: 7 positions, a reduction of 15 (3 channels), 24 positions.
+@pytest.mark.parametrize("shape", [(1, 64, 32, 7, 5, 4), (1, 3, 32, 16, 5, 4), (3, 64, 32, 8, 5, 4)], ids=str)
+def test_cublas_where_the_narrow_gemm_does_not_fit(shape):
+    batch, cin, cout, length, k, _ = shape
+    assert splits(cin, cout, k, batch * length) == 0
+    outs = narrow_and_cublas(lambda: gn_mish_tests.check(shape, torch.float32, "cuda"), 1)
+    assert torch.equal(outs[0], outs[1])
+
