@@ -116,9 +116,11 @@ class KernelConfig:
     # the weights through a shared-memory ring, instead of cuBLAS's SIMT SGEMM cut into slices.
     # H100, µs per fp32 conv1d_gn_mish of LeRobot's U-Net at batch 1 (im2col, GEMM, epilogue),
     # narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 2048->2048 k5 52.0
-    # / 60.0 / 51.4, 4096->1024 50.8 / 62.2 / 51.2, 1024->1024 20.5 / 24.8 / 20.5; 2048->512
-    # over 16 positions (horizon 32) 22.1 / 32.4 / 22.2. Over 17-32 positions (two blocks'
-    # positions, each streaming the weights) it was no faster (docs/tried.md).
+    # / 60.2 / 51.9, 4096->1024 51.4 / 62.4 / 50.9, 1024->1024 20.4 / 25.1 / 20.3 (horizon
+    # 64), 2048->512 21.8 / 32.1 / 21.9 (horizon 32). DDPM-100 fp32 ms, LeRobot's U-Net at
+    # batch 1: horizon 64 86.40 / 95.17 / 86.11, 32 77.11 / 79.62 / 76.78. Over 17-32
+    # positions (two blocks' positions, each streaming the weights) it was no faster
+    # (docs/tried.md).
     narrow_gemm: bool = True
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1. Also the
