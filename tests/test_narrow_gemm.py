@@ -6,8 +6,10 @@ its 32 rows a block, reductions that are not a multiple of its 128-element chunk
 positions than its 16, two batch rows, a sliced GroupNorm group, a strided conv, a block's
 first conv with its 1x1 shortcut (which reads the centre tap's rows of the same columns,
 every fifth row), and a whole residual block (its first GEMM). Bits that differ from cuBLAS's
-(another summation order) show that the kernel ran; its partial sums' buffer is poisoned
-with NaN first, so an unwritten partial shows. Where the kernel cannot take a GEMM
+(another summation order) show that the kernel ran. A NaN-filled block of its partial sums'
+size is left in the allocator first (the op's inputs may take it; an unwritten partial then
+shows as stale values against the reference). With a budget of one or two SMs, a block's
+slice is dozens of chunks: the ring's stages are refilled many times. Where the kernel cannot take a GEMM
 (positions or reductions not a multiple of 4, more than 16 positions) the bits are cuBLAS's."""
 
 import pytest
@@ -21,7 +23,8 @@ import test_conv1d_gn_mish as gn_mish_tests
 import test_conv1d_gn_mish_shortcut as shortcut_tests
 import test_residual_block as block_tests
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
+                                reason="needs a CUDA GPU since Ampere (cp.async)")
 
 
 def splits(cin, cout, k, positions):
@@ -85,6 +88,19 @@ def test_residual_block():
     shape = (1, 1024, 256, 16, 5, 8)
     assert_narrow_ran(narrow_and_cublas(lambda: block_tests.check(shape, torch.float32, "cuda")[2],
                                         splits(1024, 256, 5, 16) * 256 * 16))
+
+
+# A budget of 1 and 2 SMs (KernelConfig.sm_count): whole reductions of 40 and 80 chunks a block
+# (the second LeRobot's 2048 -> 2048 k5 layer at horizon 64), the ring refilled throughout.
+@pytest.mark.parametrize("shape,sm_count", [((1, 1024, 96, 16, 5, 8), 1), ((1, 2048, 2048, 16, 5, 8), 2)], ids=str)
+def test_long_slices(shape, sm_count):
+    batch, cin, cout, length, k, _ = shape
+    with kernel_config(sm_count=sm_count):
+        conv = torch.nn.Conv1d(cin, cout, k, device="meta")
+        assert routing._narrow_gemm_splits(conv, batch * length, torch.float32, torch.device("cuda"),
+                                           routing.current_kernel_config()) == 1
+        assert_narrow_ran(narrow_and_cublas(lambda: gn_mish_tests.check(shape, torch.float32, "cuda"),
+                                            cout * batch * length))
 
 
 # Not taken: 7 positions, a reduction of 15 (3 channels), 24 positions.

@@ -140,6 +140,10 @@ def main():
                                            1e-5, torch.randn(256, 1024, 1, device="cuda") / 32, None,
                                            counters=counters)
         assert all(torch.isfinite(out).all() for out in outs)
+        with kernel_config(sm_count=1):  # one slice of 40 chunks: the ring refilled throughout
+            x = torch.randn(1, 1024, 16, device="cuda")
+            assert torch.isfinite(ops.conv1d_gn_mish(x, torch.randn(96, 1024, 5, device="cuda") / 72, None, None,
+                                                     None, 8)).all()
     # Launch plans for a budget of SMs (KernelConfig.sm_count): few, odd splits and slices.
     for sm_count, clusters in ((3, True), (7, False)):
         with kernel_config(sm_count=sm_count, clusters=clusters):

@@ -249,7 +249,7 @@ template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form);
 
 // The GEMM route's fp32 GEMM over few positions (narrow_gemm.cu), in place of cuBLAS's where
-// gemm_route.cpp's narrow_gemm_takes says: out[s][m][n], for s < splits, is the sum over
+// gemm_route.h's narrow_gemm_splits takes it: out[s][m][n], for s < splits, is the sum over
 // reduction slice s (split_chunks chunks of kNarrowChunk elements) of weight[m][k] *
 // cols[k][n]: a GemmResult of `splits` partial sums.
 constexpr int kNarrowPositions = 16;  // positions per block

@@ -66,7 +66,9 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGe
   const float* weight = g.weight;
   const uint64_t policy = weight_policy(g.weights_evict_first), normal = weight_policy(false);
 
-  // A lane copies its own 16 bytes of each of its warp's rows: the elements it reads back.
+  // A lane copies 16 bytes of each of its warp's rows (elements 4 l .. 4 l + 3) and reads
+  // back elements l + 32 j, which other lanes copied: the stage's wait and barrier below make
+  // every thread's copies visible to the block.
   const auto copy_weights = [&](int stage, int chunk) {
     if (chunk >= chunks) return;
     const int k = (first + chunk) * kNarrowChunk + lane * 4;
