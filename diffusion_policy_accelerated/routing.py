@@ -16,9 +16,10 @@ A conv of the U-Net takes one of these routes:
                conv's multiply-adds reach `gemm_min_work` (`transposed_gemm_min_work`), or in
                half precision without Hopper's launch features from
                `portable_half_gemm_min_positions`: im2col + one cuBLAS GEMM + an epilogue
-               kernel. In half precision a GroupNorm conv's weight may be passed taps-major
-               (`taps_major_pays`): the GEMM then multiplies x itself and the epilogue adds up
-               the taps, and a taps-major weight takes this route at any size.
+               kernel; in fp32 over up to 16 positions the package's own GEMM instead
+               (`narrow_gemm`). In half precision a GroupNorm conv's weight may be passed
+               taps-major (`taps_major_pays`): the GEMM then multiplies x itself and the
+               epilogue adds up the taps, and a taps-major weight takes this route at any size.
   block op     on the GEMM route, a whole residual block is one `dpa::residual_block`
                (`block_op_pays`), whose epilogues hand data to the next GEMM without launches
                of their own, and which may store its output channels-last for the next block.
