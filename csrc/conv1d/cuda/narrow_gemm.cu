@@ -1,5 +1,5 @@
 // The GEMM route's fp32 GEMM over few positions (NarrowGemm, conv_params.h): a batch-1 layer
-// of a long horizon, [C_out, C_in * K] x [C_in * K, 16 or 32 positions], whose weights are
+// of a long horizon, [C_out, C_in * K] x [C_in * K, up to 16 positions], whose weights are
 // read once and feed only 16 multiply-adds each. cuBLAS's SIMT SGEMM tiles such a GEMM into a
 // few 128 x 32 tiles over long reductions, which even cut into slices (gemm_splits) stream
 // the weights well below the copy bandwidth. Here every block streams 32 weight rows over a
@@ -8,13 +8,13 @@
 // took 52 µs against 60 (im2col, GEMM and epilogue; routing.py has the measurements), and
 // one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
 //
-// A block: kWarps warps x kRows weight rows, kPositions positions, split_chunks chunks of
-// kChunk reduction elements. Each stage of the ring holds a chunk of the columns, staged
+// A block: kWarps warps x kRows weight rows, kNarrowPositions positions, split_chunks chunks
+// of kNarrowChunk reduction elements. Each stage of the ring holds a chunk of the columns, staged
 // k-major with rows padded to kPositions + 4 floats, and each warp's kRows x kChunk weights.
 // Lane l owns reduction elements l + 32 j of a chunk: its 16-byte reads of a staged row (4
 // positions) then fall in distinct banks across the warp, and its weights are read back one
 // float at a time (consecutive across lanes). Every staged column value feeds kRows
-// multiply-adds, every weight kPositions. The lanes' partial sums meet in a transposing
+// multiply-adds, every weight kNarrowPositions. The lanes' partial sums meet in a transposing
 // butterfly; the splits' partial sums are added by the epilogue, in slice order.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
