@@ -207,9 +207,9 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
                                 config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
                                 config.side_stream_fp32_max_positions, config.fp32_gemm_max_splits,
-                                config.narrow_gemm, config.side_stream, config.clusters, config.pdl, config.cooperative_group_norm,
-                                config.weights_evict_first, CPU_CONV_ROUTES.index(config.cpu_conv),
-                                config.sm_count or 0, process_default)
+                                config.narrow_gemm, config.side_stream, config.clusters, config.pdl,
+                                config.cooperative_group_norm, config.weights_evict_first,
+                                CPU_CONV_ROUTES.index(config.cpu_conv), config.sm_count or 0, process_default)
 
 
 def install_default(extension) -> None:

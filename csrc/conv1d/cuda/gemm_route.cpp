@@ -27,7 +27,6 @@ namespace {
 // (scripts/dev/profile_gemm_route.py --splits times every such GEMM both ways).
 constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth = 128, kSplitFewest = 8;
 
-
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
 // where it split the reduction, else [m, positions].
 GemmResult gemm_result(const at::Tensor& pre) {
