@@ -35,6 +35,7 @@ def test_defaults_and_package_exports():
     ("portable_half_gemm_min_positions", 0, ValueError,
      "KernelConfig.portable_half_gemm_min_positions must be in [1, 2**63)"),
     ("cooperative_group_norm", 0, TypeError, "KernelConfig.cooperative_group_norm must be a bool, got 0"),
+    ("narrow_gemm", 1, TypeError, "KernelConfig.narrow_gemm must be a bool, got 1"),
     ("sm_count", 0, ValueError, "KernelConfig.sm_count must be in [1, 2**63), got 0"),
     ("sm_count", 16.0, TypeError, "KernelConfig.sm_count must be an int, got 16.0"),
 ])
