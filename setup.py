@@ -21,8 +21,8 @@ root = Path(__file__).resolve().parent
 # The build settings live with the JIT loader so both build the same thing; setuptools'
 # PEP 517 backend does not put the project on sys.path by itself.
 sys.path.insert(0, str(root))
-from diffusion_policy_accelerated._extension import (CSRC, CXX_FLAGS, DEFAULT_CUDA_ARCHS, NVCC_FLAGS,  # noqa: E402
-                                                     cuda_build_reason, sources)
+from diffusion_policy_accelerated._extension import (CSRC, CXX_FLAGS, DEFAULT_CUDA_ARCHS, LD_FLAGS,  # noqa: E402
+                                                     NVCC_FLAGS, cuda_build_reason, sources)
 
 
 class PersistentBuildExtension(BuildExtension):
@@ -58,6 +58,7 @@ setup(
         "diffusion_policy_accelerated._C",
         [str(Path(p).relative_to(root)) for p in sources(with_cuda)],
         include_dirs=[str(CSRC)],
-        extra_compile_args=extra)],
+        extra_compile_args=extra,
+        extra_link_args=LD_FLAGS)],
     cmdclass={"build_ext": PersistentBuildExtension},
 )

@@ -13,7 +13,11 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Ampere (A100, RTX 30xx; Jetson Orin's 8.7 runs the 8.0 code), Ada (RTX 40xx, L4) and Hopper
 # (H100/H200); the PTX of 9.0 lets newer GPUs JIT it.
 DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
-CXX_FLAGS = ["-O3", "-ffp-contract=off"]  # no FMA contraction: denoise_step is bit-exact
+# No FMA contraction: denoise_step is bit-exact. OpenMP: ATen's at::parallel_for is a header
+# whose threads are an `omp parallel` region, so without it the CPU ops ran on one thread
+# (torch links its own libgomp, which the extension then shares).
+CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+LD_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-lineinfo"]
 
 
@@ -57,6 +61,7 @@ def jit_build():
         sources=files,
         extra_include_paths=[str(CSRC)],
         extra_cflags=CXX_FLAGS + cuda_define,
+        extra_ldflags=LD_FLAGS,
         extra_cuda_cflags=NVCC_FLAGS + cuda_define,
         with_cuda=with_cuda,
         verbose=bool(os.environ.get("DPA_JIT_VERBOSE")),

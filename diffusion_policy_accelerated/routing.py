@@ -3,8 +3,9 @@ thresholds, and the route rules, in one place.
 
 A conv of the U-Net takes one of these routes:
 
-  CPU          ATen's convolution (oneDNN) or im2col + one GEMM, in the input's dtype,
-               whichever was faster at the shape's first call (`cpu_conv`), then the fused
+  CPU          ATen's convolution (oneDNN), im2col + one GEMM, or over few positions im2col
+               + the package's weight-streaming GEMM, in the input's dtype, whichever was
+               fastest at the shape's first call (`cpu_conv`), then the fused
                GroupNorm / Mish / FiLM / residual pass.
   streaming    CUDA, batch x length below `gemm_min_positions` (and below `gemm_min_work`
                multiply-adds): the weight-streaming kernels, which read every weight once at
@@ -45,7 +46,7 @@ __all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major
 
 
 # KernelConfig.cpu_conv's values, in the extension's order (csrc/common/kernel_config.h).
-CPU_CONV_ROUTES = ("auto", "aten", "gemm")
+CPU_CONV_ROUTES = ("auto", "aten", "gemm", "stream")
 # The fields that take one of a few values.
 _CHOICES = {"cpu_conv": CPU_CONV_ROUTES}
 
@@ -160,10 +161,10 @@ class KernelConfig:
     # most) stream.
     taps_major_min_work_batch_1: int = 1 << 24
     # CPU: how the ops run a (non-transposed) conv. "auto": the first call of each shape,
-    # dtype and thread count times ATen's conv (oneDNN) against im2col + one GEMM on its own
-    # inputs and keeps the faster for the process (csrc/conv1d/cpu/conv_route_cpu.h: no rule
-    # held across shapes and CPUs; on a 2-core AMD EPYC the GEMM took up to 9.7x less time at
-    # batch 1, and ATen's conv up to 2.2x less on others); "aten" / "gemm" fix the route
+    # dtype and thread count times ATen's conv (oneDNN), im2col + one GEMM and, over up to 32
+    # positions in fp32 or bf16, im2col + the package's weight-streaming GEMM, on its own
+    # inputs, and keeps the fastest for the process (csrc/conv1d/cpu/conv_route_cpu.h: no
+    # rule held across shapes and CPUs); "aten" / "gemm" / "stream" fix the route
     # (reproducible bits, or a measurement).
     cpu_conv: str = "auto"
     # CUDA: the SMs the launch plans fill (None: the device's). A process given fewer SMs than
@@ -401,8 +402,10 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     if device.type != "cuda":
         if transposed:
             return ConvRoute(name, described, "CPU", "ATen's transposed conv in the input's dtype")
-        how = {"auto": "ATen's conv or one GEMM, whichever was faster at this shape's first call (cpu_conv 'auto')",
-               "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')"}[config.cpu_conv]
+        how = {"auto": "ATen's conv, one GEMM or the weight-streaming GEMM, whichever was fastest at this shape's "
+                       "first call (cpu_conv 'auto')",
+               "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')",
+               "stream": "im2col + the weight-streaming GEMM (cpu_conv 'stream')"}[config.cpu_conv]
         return ConvRoute(name, described, "CPU", how + ", in the input's dtype"
                          + (", then the fused epilogue" if group_norm else ""))
     # The ops' GEMM N: output positions, or for a transposed conv input positions.

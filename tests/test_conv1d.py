@@ -101,9 +101,9 @@ def test_matches_float64_reference(shape, dtype, device):
 CPU_ROUTE_SHAPES = [s for s in UNET_SHAPES + ODD_SHAPES + BATCH64_SHAPES if not s[7]]
 
 
-@pytest.mark.parametrize("route", ["aten", "gemm"])
+@pytest.mark.parametrize("route", ["aten", "gemm", "stream"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_both_cpu_routes(route, dtype):
+def test_every_cpu_route(route, dtype):
     with kernel_config(cpu_conv=route):
         for seed, shape in enumerate(CPU_ROUTE_SHAPES):
             check(shape, dtype, "cpu", seed=seed, with_residual=seed % 2 == 0, taps_major=seed % 3 == 1)
@@ -113,6 +113,24 @@ def test_both_cpu_routes(route, dtype):
         w = (torch.randn(8, 6, 3, generator=g) / 4).to(dtype)
         out = ops.conv1d(x, w, None, 2, 1, transposed=False)
         torch.testing.assert_close(out.double(), reference(x, w, None, 2, 1, False), **TOLERANCES[dtype])
+
+
+# The weight-streaming GEMM's edges (csrc/conv1d/cpu/stream_gemm_cpu.cpp): rows not a multiple
+# of its 4-row blocks, reductions not a multiple of its vectors (15, 100, 495), 1 to 33
+# positions (blocks of 4 partly or wholly past the last), a 1x1 conv.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cout,cin,k,batch,length", [(5, 3, 5, 1, 1), (7, 20, 5, 3, 5), (130, 99, 5, 2, 7),
+                                                     (4, 16, 1, 1, 16), (9, 20, 5, 1, 33)], ids=str)
+def test_stream_route_edges(cout, cin, k, batch, length, dtype):
+    g = torch.Generator().manual_seed(cout)
+    x = torch.randn(batch, cin, length, generator=g).to(dtype)
+    w = (torch.randn(cout, cin, k, generator=g) / (cin * k) ** 0.5).to(dtype)
+    for b in (None, torch.randn(cout, generator=g).to(dtype)):
+        with kernel_config(cpu_conv="stream"):
+            poison_allocator("cpu", batch * cout * length, dtype)
+            out = ops.conv1d(x, w, b, 1, k // 2, transposed=False)
+        assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+        torch.testing.assert_close(out.double(), reference(x, w, b, 1, k // 2, False), **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -231,11 +231,12 @@ def test_film_and_residual_epilogue(shape, film_layout, dtype, device):
                                    **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("route", ["aten", "gemm"])
+@pytest.mark.parametrize("route", ["aten", "gemm", "stream"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_both_cpu_routes(route, dtype):
-    """The CPU's two conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by
-    timing), on the U-Nets' shapes and odd ones, with FiLM and a residual."""
+def test_every_cpu_route(route, dtype):
+    """The CPU's conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing;
+    "stream" has fp32 and bf16, half precision takes ATen's conv there), on the U-Nets' shapes
+    and odd ones, with FiLM and a residual."""
     g = torch.Generator().manual_seed(11)
     with kernel_config(cpu_conv=route):
         for i, shape in enumerate(UNET_SHAPES + ODD_SHAPES):
@@ -581,17 +582,21 @@ def test_mish_over_its_whole_range(device, dtype, length):
 
 
 @pytest.mark.parametrize("lanes", [4, 8, 16])
-def test_cpu_epilogue_at_every_vector_width(lanes):
-    """The CPU epilogue is compiled for 4 (SSE2, NEON), 8 (AVX2) and 16 (AVX-512) lanes and runs
-    the widest the CPU has; DPA_CPU_VECTOR_LANES narrows it, so that this CPU checks the widths
-    other CPUs take (a width it lacks falls back to a narrower one)."""
+def test_cpu_kernels_at_every_vector_width(lanes):
+    """The CPU epilogue is compiled for 4 (SSE2, NEON), 8 (AVX2) and 16 (AVX-512) lanes, the
+    weight-streaming GEMM for 4 and 16, and each runs the widest the CPU has;
+    DPA_CPU_VECTOR_LANES narrows it, so that this CPU checks the widths other CPUs take (a width
+    it lacks falls back to a narrower one)."""
     code = textwrap.dedent("""
+        import itertools
         import torch
         from test_conv1d_gn_mish import ODD_SHAPES, UNET_SHAPES, check, film_and_residual, make_inputs, reference
         from test_conv1d_gn_mish import TOLERANCES
         from diffusion_policy_accelerated import ops
-        for shape in ODD_SHAPES + UNET_SHAPES[:6]:
-            for dtype in (torch.float32, torch.bfloat16):
+        from diffusion_policy_accelerated.routing import kernel_config
+        for shape, route, dtype in itertools.product(ODD_SHAPES + UNET_SHAPES[:6], ("auto", "stream"),
+                                                     (torch.float32, torch.bfloat16)):
+            with kernel_config(cpu_conv=route):
                 check(shape, dtype, "cpu")
                 g = torch.Generator().manual_seed(1)
                 x, w, b, gamma, beta = make_inputs(shape, dtype, "cpu", g)

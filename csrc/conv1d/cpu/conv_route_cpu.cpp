@@ -8,8 +8,10 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "common/kernel_config.h"
+#include "conv1d/cpu/stream_gemm_cpu.h"
 
 namespace dpa {
 namespace cpu {
@@ -22,50 +24,86 @@ at::Tensor aten_conv(const at::Tensor& x, const at::Tensor& weight, const std::o
 }
 
 // cols[b * L_out + l][c * K + k] = x_padded[b][c][l * stride + k]: one copy of x's windows,
-// then one GEMM whose result [B * L_out, C_out] is the output channels-last.
-at::Tensor gemm_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                     int64_t stride, int64_t padding) {
-  const int64_t batch = x.size(0), cin = x.size(1), cout = weight.size(0), taps = weight.size(2);
+// [B * L_out, C_in * K], contiguous.
+at::Tensor im2col(const at::Tensor& x, int64_t taps, int64_t stride, int64_t padding) {
+  const int64_t batch = x.size(0), cin = x.size(1);
   const at::Tensor padded = padding > 0 ? at::constant_pad_nd(x, {padding, padding}) : x;
   const at::Tensor windows = padded.unfold(2, taps, stride);  // [B, C_in, L_out, K]
-  const int64_t lout = windows.size(2);
-  const at::Tensor cols = windows.permute({0, 2, 1, 3}).reshape({batch * lout, cin * taps});
-  const at::Tensor w = weight.reshape({cout, cin * taps}).t();
-  const at::Tensor out = bias.has_value() ? at::addmm(*bias, cols, w) : at::mm(cols, w);
-  return out.view({batch, lout, cout}).permute({0, 2, 1});
+  return windows.permute({0, 2, 1, 3}).reshape({batch * windows.size(2), cin * taps}).contiguous();
 }
 
-enum class Route { kAten, kGemm };
+// The GEMM's result [B * L_out, C_out], the output channels-last, as [B, C_out, L_out].
+at::Tensor from_rows(const at::Tensor& rows, int64_t batch) {
+  return rows.view({batch, rows.size(0) / batch, rows.size(1)}).permute({0, 2, 1});
+}
+
+// im2col, then one GEMM with the weight [C_in * K, C_out] (MKL's or oneDNN's).
+at::Tensor gemm_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     int64_t stride, int64_t padding) {
+  const at::Tensor cols = im2col(x, weight.size(2), stride, padding);
+  const at::Tensor w = weight.reshape({weight.size(0), cols.size(1)}).t();
+  return from_rows(bias.has_value() ? at::addmm(*bias, cols, w) : at::mm(cols, w), x.size(0));
+}
+
+// im2col, then stream_gemm_cpu.h's GEMM, which reads each weight once.
+at::Tensor stream_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       int64_t stride, int64_t padding) {
+  const at::Tensor cols = im2col(x, weight.size(2), stride, padding);
+  return from_rows(stream_gemm(cols, weight.reshape({weight.size(0), cols.size(1)}).contiguous(), bias), x.size(0));
+}
+
+enum class Route { kAten, kGemm, kStream };
+
+// Where stream_conv may be timed: the dtypes it has, and few enough positions (batch x
+// output length) that the weights' bytes set the time; past that its 4 x 4 blocks re-read
+// the weights from the caches for every 4 positions and lose to the GEMMs.
+bool streams(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding) {
+  constexpr int64_t kMostPositions = 32;
+  const int64_t lout = (x.size(2) + 2 * padding - weight.size(2)) / stride + 1;
+  return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(0) * lout <= kMostPositions;
+}
+
+at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     int64_t stride, int64_t padding) {
+  switch (route) {
+    case Route::kGemm: return gemm_conv(x, weight, bias, stride, padding);
+    case Route::kStream: return stream_conv(x, weight, bias, stride, padding);
+    case Route::kAten: break;
+  }
+  return aten_conv(x, weight, bias, stride, padding);
+}
 
 // dtype, sizes, stride, padding, bias, the operands' layouts (a channels-last input or a
 // taps-major weight costs each route differently), threads.
 using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, int>;
 
 // The median of 5 timed calls of each route, in turn, after one untimed call of each (oneDNN
-// creates its primitive on the first). The GEMM must be 15% faster to be chosen: timed alone,
-// a route runs with its operands in cache, and on a shared CPU one call's time varies by
-// ~10%; with a 5% margin, layers within a few percent of a tie went to the GEMM and made the
-// lowdim U-Net's fp32 action at batch 8 7% slower than with ATen's conv throughout.
+// creates its primitive on the first). A route must be 15% faster than ATen's conv, and than
+// the route chosen before it, to be chosen: timed alone, a route runs with its operands in
+// cache, and on a shared CPU one call's time varies by ~10%; with a 5% margin, layers within
+// a few percent of a tie went to the GEMM and made the lowdim U-Net's fp32 action at batch 8
+// 7% slower than with ATen's conv throughout.
 Route time_routes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding) {
   using Clock = std::chrono::steady_clock;
-  const auto run = [&](Route route) {
-    return route == Route::kGemm ? gemm_conv(x, weight, bias, stride, padding).contiguous()
-                                 : aten_conv(x, weight, bias, stride, padding).contiguous();
-  };
-  run(Route::kAten);
-  run(Route::kGemm);
-  std::array<double, 5> aten{}, gemm{};
-  for (size_t i = 0; i < aten.size(); ++i) {
-    for (Route route : {Route::kAten, Route::kGemm}) {
+  std::vector<Route> routes{Route::kAten, Route::kGemm};
+  if (streams(x, weight, stride, padding)) routes.push_back(Route::kStream);
+  const auto run = [&](Route route) { run_route(route, x, weight, bias, stride, padding).contiguous(); };
+  for (Route route : routes) run(route);
+  std::vector<std::array<double, 5>> times(routes.size());
+  for (size_t i = 0; i < 5; ++i) {
+    for (size_t r = 0; r < routes.size(); ++r) {
       const auto start = Clock::now();
-      run(route);
-      (route == Route::kGemm ? gemm : aten)[i] = std::chrono::duration<double>(Clock::now() - start).count();
+      run(routes[r]);
+      times[r][i] = std::chrono::duration<double>(Clock::now() - start).count();
     }
   }
-  std::sort(aten.begin(), aten.end());
-  std::sort(gemm.begin(), gemm.end());
-  return gemm[2] < 0.85 * aten[2] ? Route::kGemm : Route::kAten;
+  size_t best = 0;
+  for (size_t r = 0; r < routes.size(); ++r) {
+    std::sort(times[r].begin(), times[r].end());
+    if (times[r][2] < 0.85 * times[best][2]) best = r;
+  }
+  return routes[best];
 }
 
 Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -73,6 +111,9 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
   switch (kernel_config().cpu_conv) {
     case CpuConv::kAten: return Route::kAten;
     case CpuConv::kGemm: return Route::kGemm;
+    // Forced where it has the dtype; else ATen's conv (half precision).
+    case CpuConv::kStream:
+      return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? Route::kStream : Route::kAten;
     case CpuConv::kAuto: break;
   }
   static std::mutex mutex;
@@ -95,8 +136,7 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
 
 at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding) {
-  return choose(x, weight, bias, stride, padding) == Route::kGemm ? gemm_conv(x, weight, bias, stride, padding)
-                                                                  : aten_conv(x, weight, bias, stride, padding);
+  return run_route(choose(x, weight, bias, stride, padding), x, weight, bias, stride, padding);
 }
 
 }  // namespace cpu

@@ -1,4 +1,5 @@
-// The CPU conv ops' convolution (not transposed): ATen's (oneDNN), or im2col + one GEMM.
+// The CPU conv ops' convolution (not transposed): ATen's (oneDNN), im2col + one GEMM, or, over
+// few positions, im2col + the package's weight-streaming GEMM (stream_gemm_cpu.h).
 //
 // oneDNN's direct conv is far from the weights' bandwidth at the U-Nets' few positions, and
 // its speed varies by shape without a pattern a rule could follow: on a 2-core AMD EPYC (Zen
@@ -7,9 +8,9 @@
 // channels in fp32, and 1.0-9.7x less in bf16 (2048->2048 over 4 positions: 20.9 against
 // 2.2 ms), but 1.2-2.2x more on the first layers at 16 positions and on most layers at batch
 // 64. Other CPUs (AVX2, AMX, Arm) choose differently again. So with KernelConfig.cpu_conv
-// "auto" the first call of each (shape, dtype, threads) times both routes on its own inputs and
-// keeps the faster one for the process, as cuDNN's benchmark mode does; "aten" and "gemm" fix
-// the route (the two round differently, by ~1e-6 in fp32).
+// "auto" the first call of each (shape, dtype, threads) times the routes on its own inputs and
+// keeps the fastest for the process, as cuDNN's benchmark mode does; "aten", "gemm" and
+// "stream" fix the route (they round differently, by ~1e-6 in fp32).
 #pragma once
 
 #include <ATen/ATen.h>

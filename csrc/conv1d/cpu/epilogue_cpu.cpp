@@ -1,49 +1,11 @@
 #include "conv1d/cpu/epilogue_cpu.h"
 
-#include <cstdlib>
-#include <cstring>
-
-#if !defined(__GNUC__)
-#error "the CPU epilogue needs GCC or Clang vector extensions"
-#endif
-
-// The vector types are passed only between functions inlined into one entry point (below):
-// the ABI they would have across a call does not matter.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+#include "conv1d/cpu/lanes.h"
 
 namespace dpa {
 namespace cpu {
 
 namespace {
-
-// W-lane vectors; every helper is inlined into the per-ISA entry points below, which compile
-// them for their own vector width.
-template <int W>
-struct Lanes {
-  typedef float F __attribute__((vector_size(W * sizeof(float))));
-  typedef int32_t I __attribute__((vector_size(W * sizeof(int32_t))));
-};
-
-#define DPA_INLINE inline __attribute__((always_inline))
-
-template <int W>
-DPA_INLINE typename Lanes<W>::F splat(float v) {
-  return typename Lanes<W>::F{} + v;
-}
-
-template <int W>
-DPA_INLINE typename Lanes<W>::F load(const float* p) {
-  typename Lanes<W>::F v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <int W>
-DPA_INLINE void store(float* p, typename Lanes<W>::F v) {
-  std::memcpy(p, &v, sizeof(v));
-}
 
 // exp(x) in every lane: Cephes' expf (range reduction by ln 2, a degree-6 polynomial, the
 // exponent added as bits), within 2 ulp of expf on [-87, 88]; clamped outside (no inf).
@@ -188,7 +150,7 @@ DPA_INLINE void apply_group_lanes(const GroupEpilogue& g) {
   for (int64_t c = 0; c < g.channels; ++c) apply_row<W>(g, factors, c);
 }
 
-// The entry points for each vector width, and the widest the CPU runs.
+// The entry points for each vector width.
 double group_sum_4(const float* y, int64_t n, const float* mean) { return group_sum_lanes<4>(y, n, mean); }
 void apply_group_4(const GroupEpilogue& g) { apply_group_lanes<4>(g); }
 
@@ -203,8 +165,7 @@ __attribute__((target("avx512f"))) double group_sum_16(const float* y, int64_t n
 __attribute__((target("avx512f"))) void apply_group_16(const GroupEpilogue& g) { apply_group_lanes<16>(g); }
 #endif
 
-// The widest vectors the CPU runs, or fewer lanes where DPA_CPU_VECTOR_LANES asks for them
-// (4 or 8: what other CPUs take, for tests on this one).
+// The entry points of the widest vectors the CPU runs (widest_lanes).
 struct Kernels {
   double (*group_sum)(const float*, int64_t, const float*) = group_sum_4;
   void (*apply_group)(const GroupEpilogue&) = apply_group_4;
@@ -212,12 +173,9 @@ struct Kernels {
 };
 
 Kernels widest() {
-  const char* asked = std::getenv("DPA_CPU_VECTOR_LANES");
-  const int most = asked ? std::atoi(asked) : 16;
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (most >= 16 && __builtin_cpu_supports("avx512f")) return {group_sum_16, apply_group_16, 16};
-  if (most >= 8 && __builtin_cpu_supports("avx2")) return {group_sum_8, apply_group_8, 8};
+  if (widest_lanes() >= 16) return {group_sum_16, apply_group_16, 16};
+  if (widest_lanes() >= 8) return {group_sum_8, apply_group_8, 8};
 #endif
   return {};
 }
