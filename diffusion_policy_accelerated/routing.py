@@ -401,7 +401,11 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
         if transposed:
-            return ConvRoute(name, described, "CPU", "ATen's transposed conv in the input's dtype")
+            how = ("ATen's transposed conv or the weight-streaming GEMM, whichever was faster at this shape's first "
+                   "call (cpu_conv 'auto')" if config.cpu_conv == "auto" else
+                   "the weight-streaming GEMM (cpu_conv 'stream')" if config.cpu_conv == "stream" else
+                   f"ATen's transposed conv (cpu_conv '{config.cpu_conv}')")
+            return ConvRoute(name, described, "CPU", how + ", in the input's dtype")
         how = {"auto": "ATen's conv, one GEMM or the weight-streaming GEMM, whichever was fastest at this shape's "
                        "first call (cpu_conv 'auto')",
                "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')",

@@ -96,8 +96,9 @@ def test_matches_float64_reference(shape, dtype, device):
     check(shape, dtype, device)
 
 
-# The CPU's two conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing),
-# on every non-transposed shape: strides, paddings, kernel sizes 1-7, odd batches.
+# The CPU's conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing; the
+# streaming GEMM has fp32 and bf16, half precision takes ATen's conv there), on every
+# non-transposed shape: strides, paddings, kernel sizes 1-7, odd batches.
 CPU_ROUTE_SHAPES = [s for s in UNET_SHAPES + ODD_SHAPES + BATCH64_SHAPES if not s[7]]
 
 
@@ -113,6 +114,16 @@ def test_every_cpu_route(route, dtype):
         w = (torch.randn(8, 6, 3, generator=g) / 4).to(dtype)
         out = ops.conv1d(x, w, None, 2, 1, transposed=False)
         torch.testing.assert_close(out.double(), reference(x, w, None, 2, 1, False), **TOLERANCES[dtype])
+
+
+# ... and the transposed ones, which have ATen's route and the streaming GEMM's (k-major, then
+# each tap's products added where they land): strides 1-3, paddings 0-2, a length-1 output.
+@pytest.mark.parametrize("route", ["aten", "stream"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_every_cpu_route_transposed(route, dtype):
+    with kernel_config(cpu_conv=route):
+        for seed, shape in enumerate(s for s in UNET_SHAPES + ODD_SHAPES + BATCH64_SHAPES if s[7]):
+            check(shape, dtype, "cpu", seed=seed, with_residual=seed % 2 == 0)
 
 
 # The weight-streaming GEMM's edges (csrc/conv1d/cpu/stream_gemm_cpu.cpp): rows not a multiple

@@ -99,7 +99,7 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
                       const std::optional<at::Tensor>& counters) {
   const ConvProblem p =
       check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
-  at::Tensor out = transposed ? at::conv_transpose1d(x, weight, bias, stride, padding)
+  at::Tensor out = transposed ? cpu::conv_transpose1d(x, weight, bias, stride, padding)
                               : cpu::conv1d(x, weight, bias, stride, padding);
   TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
   if (residual.has_value()) out.add_(*residual);

@@ -52,19 +52,53 @@ at::Tensor stream_conv(const at::Tensor& x, const at::Tensor& weight, const std:
   return from_rows(stream_gemm(cols, weight.reshape({weight.size(0), cols.size(1)}).contiguous(), bias), x.size(0));
 }
 
-enum class Route { kAten, kGemm, kStream };
-
-// Where stream_conv may be timed: the dtypes it has, and few enough positions (batch x
-// output length) that the weights' bytes set the time; past that its 4 x 4 blocks re-read
-// the weights from the caches for every 4 positions and lose to the GEMMs.
-bool streams(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding) {
-  constexpr int64_t kMostPositions = 32;
-  const int64_t lout = (x.size(2) + 2 * padding - weight.size(2)) / stride + 1;
-  return (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(0) * lout <= kMostPositions;
+// A transposed conv as the k-major streaming GEMM of its weight [C_in, C_out * K] as stored
+// (y[b * L_in + j][c * K + k] = sum over i of x[b][i][j] * weight[i][c][k], in fp32), then
+// each tap's products added where they land: out[b][c][j * stride + k - padding].
+at::Tensor stream_transposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             int64_t stride, int64_t padding) {
+  const int64_t batch = x.size(0), cin = x.size(1), lin = x.size(2), cout = weight.size(1), taps = weight.size(2);
+  const int64_t lout = (lin - 1) * stride - 2 * padding + taps;
+  const at::Tensor cols = x.transpose(1, 2).reshape({batch * lin, cin}).contiguous();
+  const at::Tensor y = stream_gemm_k_major(cols, weight.reshape({cin, cout * taps}).contiguous())
+                           .view({batch, lin, cout, taps});
+  at::Tensor out = bias.has_value() ? bias->to(at::kFloat).view({1, cout, 1}).expand({batch, cout, lout}).contiguous()
+                                    : at::zeros({batch, cout, lout}, x.options().dtype(at::kFloat));
+  for (int64_t k = 0; k < taps; ++k) {
+    // Input positions j whose tap k lands in [0, lout): j * stride + k - padding.
+    const int64_t below = padding - k, above = lout - 1 + padding - k;
+    if (above < 0) continue;
+    const int64_t first = below > 0 ? (below + stride - 1) / stride : 0;
+    const int64_t last = std::min<int64_t>(lin - 1, above / stride);
+    if (last < first) continue;
+    const int64_t start = first * stride + k - padding, count = last - first + 1;
+    out.slice(2, start, start + (count - 1) * stride + 1, stride)
+        .add_(y.select(3, k).narrow(1, first, count).permute({0, 2, 1}));
+  }
+  return out.to(x.scalar_type());
 }
 
+enum class Route { kAten, kGemm, kStream };
+
+bool stream_dtype(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
+
+// Where the streaming GEMM may be timed: the dtypes it has, and few enough positions (batch x
+// output length; a transposed conv's input length) that the weights' bytes set the time; past
+// that its 4 x 4 blocks re-read the weights from the caches for every 4 positions and lose to
+// the GEMMs.
+bool streams(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding, bool transposed) {
+  constexpr int64_t kMostPositions = 32;
+  const int64_t length = transposed ? x.size(2) : (x.size(2) + 2 * padding - weight.size(2)) / stride + 1;
+  return stream_dtype(x) && x.size(0) * length <= kMostPositions;
+}
+
+// A transposed conv has ATen's route and the streaming one (kGemm is ATen's there).
 at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                     int64_t stride, int64_t padding) {
+                     int64_t stride, int64_t padding, bool transposed) {
+  if (transposed) {
+    return route == Route::kStream ? stream_transposed(x, weight, bias, stride, padding)
+                                   : at::conv_transpose1d(x, weight, bias, stride, padding);
+  }
   switch (route) {
     case Route::kGemm: return gemm_conv(x, weight, bias, stride, padding);
     case Route::kStream: return stream_conv(x, weight, bias, stride, padding);
@@ -74,8 +108,8 @@ at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight,
 }
 
 // dtype, sizes, stride, padding, bias, the operands' layouts (a channels-last input or a
-// taps-major weight costs each route differently), threads.
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, int>;
+// taps-major weight costs each route differently), threads, transposed.
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, int, bool>;
 
 // The median of 5 timed calls of each route, in turn, after one untimed call of each (oneDNN
 // creates its primitive on the first). A route must be 15% faster than ATen's conv, and than
@@ -84,11 +118,13 @@ using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
 // a few percent of a tie went to the GEMM and made the lowdim U-Net's fp32 action at batch 8
 // 7% slower than with ATen's conv throughout.
 Route time_routes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  int64_t stride, int64_t padding) {
+                  int64_t stride, int64_t padding, bool transposed) {
   using Clock = std::chrono::steady_clock;
-  std::vector<Route> routes{Route::kAten, Route::kGemm};
-  if (streams(x, weight, stride, padding)) routes.push_back(Route::kStream);
-  const auto run = [&](Route route) { run_route(route, x, weight, bias, stride, padding).contiguous(); };
+  std::vector<Route> routes{Route::kAten};
+  if (!transposed) routes.push_back(Route::kGemm);
+  if (streams(x, weight, stride, padding, transposed)) routes.push_back(Route::kStream);
+  if (routes.size() == 1) return routes[0];
+  const auto run = [&](Route route) { run_route(route, x, weight, bias, stride, padding, transposed).contiguous(); };
   for (Route route : routes) run(route);
   std::vector<std::array<double, 5>> times(routes.size());
   for (size_t i = 0; i < 5; ++i) {
@@ -107,27 +143,26 @@ Route time_routes(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-             int64_t stride, int64_t padding) {
+             int64_t stride, int64_t padding, bool transposed) {
   switch (kernel_config().cpu_conv) {
     case CpuConv::kAten: return Route::kAten;
     case CpuConv::kGemm: return Route::kGemm;
     // Forced where it has the dtype; else ATen's conv (half precision).
-    case CpuConv::kStream:
-      return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ? Route::kStream : Route::kAten;
+    case CpuConv::kStream: return stream_dtype(x) ? Route::kStream : Route::kAten;
     case CpuConv::kAuto: break;
   }
   static std::mutex mutex;
   static std::map<Key, Route> chosen;
   const Key key{static_cast<int>(x.scalar_type()), x.size(0), x.size(1), x.size(2), weight.size(0),
                 weight.size(2), stride, padding, bias.has_value(), x.is_contiguous(), weight.is_contiguous(),
-                at::get_num_threads()};
+                at::get_num_threads(), transposed};
   {
     const std::lock_guard<std::mutex> lock(mutex);
     if (const auto it = chosen.find(key); it != chosen.end()) return it->second;
   }
   // Timed outside the lock: another shape's first call need not wait. Two threads meeting the
   // same new shape both time it; the first to finish decides.
-  const Route route = time_routes(x, weight, bias, stride, padding);
+  const Route route = time_routes(x, weight, bias, stride, padding, transposed);
   const std::lock_guard<std::mutex> lock(mutex);
   return chosen.emplace(key, route).first->second;
 }
@@ -136,7 +171,12 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
 
 at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding) {
-  return run_route(choose(x, weight, bias, stride, padding), x, weight, bias, stride, padding);
+  return run_route(choose(x, weight, bias, stride, padding, false), x, weight, bias, stride, padding, false);
+}
+
+at::Tensor conv_transpose1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            int64_t stride, int64_t padding) {
+  return run_route(choose(x, weight, bias, stride, padding, true), x, weight, bias, stride, padding, true);
 }
 
 }  // namespace cpu

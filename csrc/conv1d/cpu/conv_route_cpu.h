@@ -25,5 +25,10 @@ namespace cpu {
 at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding);
 
+// x [B, C_in, L_in] transposed-conv weight [C_in, C_out, K] (+ bias): [B, C_out, L_out], ATen's
+// or the k-major streaming GEMM's, chosen alike (cpu_conv "gemm" is ATen's here).
+at::Tensor conv_transpose1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            int64_t stride, int64_t padding);
+
 }  // namespace cpu
 }  // namespace dpa

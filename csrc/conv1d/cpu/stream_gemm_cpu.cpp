@@ -21,10 +21,18 @@ constexpr int kRows = 4, kPositions = 4;
 template <typename T>
 struct Job {
   const T* cols;    // [n][k]
-  const T* weight;  // [m][k]
+  const T* weight;  // [m][k], or k-major [k][m]
   const T* bias;    // [m] or null
-  T* out;           // [n][m]
+  void* out;        // [n][m], T or (float_out) float
   int64_t m, k, n;
+  bool float_out;
+  void put(int64_t n, int64_t m, float v) const {
+    if (float_out) {
+      static_cast<float*>(out)[n * this->m + m] = v;
+    } else {
+      static_cast<T*>(out)[n * this->m + m] = static_cast<T>(v);
+    }
+  }
 };
 
 // W values from p as floats: bfloat16 is the top half of a float's bits.
@@ -70,9 +78,36 @@ DPA_INLINE void block(const Job<T>& j, int64_t m0, int64_t n0, int np) {
       float sum = 0.f;
       for (int i = 0; i < W; ++i) sum += acc[r][p][i];
       for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[r * K + t]) * static_cast<float>(x[p][t]);
-      j.out[(n0 + p) * j.m + m0 + r] = static_cast<T>(sum + bias);
+      j.put(n0 + p, m0 + r, sum + bias);
     }
   }
+}
+
+// The k-major form (a transposed conv's weight, [C_in][C_out * K]): output columns m0 .. m0 +
+// 4W - 1 (C columns a vector) times positions n0 .. n0 + np - 1; each reduction step loads a
+// 4W-float run of one weight row and broadcasts each position's input element.
+template <int W, typename T, int C>
+DPA_INLINE void block_k_major(const Job<T>& j, int64_t m0, int64_t n0, int np) {
+  using F = typename Lanes<W>::F;
+  const int64_t K = j.k, M = j.m;
+  const T* x[kPositions];
+  for (int p = 0; p < kPositions; ++p) x[p] = j.cols + (n0 + std::min(p, np - 1)) * K;
+  F acc[C][kPositions];
+  for (int c = 0; c < C; ++c)
+    for (int p = 0; p < kPositions; ++p) acc[c][p] = F{};
+  for (int64_t k = 0; k < K; ++k) {
+    F wv[C], xv[kPositions];
+    for (int c = 0; c < C; ++c) wv[c] = load_floats<W>(j.weight + k * M + m0 + c * W);
+    for (int p = 0; p < kPositions; ++p) xv[p] = splat<W>(static_cast<float>(x[p][k]));
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < kPositions; ++p) acc[c][p] += wv[c] * xv[p];
+  }
+  for (int p = 0; p < np; ++p)
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < W; ++i) {
+        const int64_t m = m0 + c * W + i;
+        j.put(n0 + p, m, acc[c][p][i] + (j.bias ? static_cast<float>(j.bias[m]) : 0.f));
+      }
 }
 
 // Rows [lo, hi) at every position.
@@ -89,48 +124,81 @@ DPA_INLINE void rows_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
     }
 }
 
+// Columns [lo, hi) of the k-major form at every position: blocks of 4 vectors, then single
+// vectors, then (past the last whole vector) one lane at a time. (No lambdas here: a lambda's
+// body is not compiled for its enclosing entry point's instruction set.)
+template <int W, typename T>
+DPA_INLINE void columns_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
+  for (int64_t n0 = 0; n0 < j.n; n0 += kPositions) {
+    const int np = static_cast<int>(std::min<int64_t>(kPositions, j.n - n0));
+    int64_t m = lo;
+    for (; m + kRows * W <= hi; m += kRows * W) block_k_major<W, T, kRows>(j, m, n0, np);
+    for (; m + W <= hi; m += W) block_k_major<W, T, 1>(j, m, n0, np);
+    for (; m < hi; ++m) block_k_major<1, T, 1>(j, m, n0, np);
+  }
+}
+
 // The entry points for each vector width. AVX2 CPUs take the 4-lane one: on the Zen 4 above,
 // 8 lanes (the same 4 x 4 block, or 2 x 4) streamed 11-16 GB/s against 26 for 4 lanes.
-void rows_4(const Job<float>& j, int64_t lo, int64_t hi) { rows_lanes<4>(j, lo, hi); }
-void rows_4(const Job<c10::BFloat16>& j, int64_t lo, int64_t hi) { rows_lanes<4>(j, lo, hi); }
-#if defined(__x86_64__)
-__attribute__((target("avx512f"))) void rows_16(const Job<float>& j, int64_t lo, int64_t hi) {
-  rows_lanes<16>(j, lo, hi);
+template <typename T>
+void rows_4(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
+  k_major ? columns_lanes<4>(j, lo, hi) : rows_lanes<4>(j, lo, hi);
 }
-__attribute__((target("avx512f"))) void rows_16(const Job<c10::BFloat16>& j, int64_t lo, int64_t hi) {
-  rows_lanes<16>(j, lo, hi);
+#if defined(__x86_64__)
+template <typename T>
+__attribute__((target("avx512f"))) void rows_16(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
+  k_major ? columns_lanes<16>(j, lo, hi) : rows_lanes<16>(j, lo, hi);
 }
 #endif
 
+// Each thread a range of whole row blocks (k-major: of whole 4-vector column blocks), in order.
 template <typename T>
-void run(const Job<T>& j) {
-  // Each thread a range of whole row blocks, in order.
-  at::parallel_for(0, (j.m + kRows - 1) / kRows, 1, [&](int64_t b0, int64_t b1) {
-    const int64_t lo = b0 * kRows, hi = std::min(b1 * kRows, j.m);
+void run(const Job<T>& j, bool k_major) {
 #if defined(__x86_64__)
-    if (widest_lanes() >= 16) return rows_16(j, lo, hi);
+  const int lanes = widest_lanes() >= 16 ? 16 : 4;
+#else
+  const int lanes = 4;
 #endif
-    rows_4(j, lo, hi);
+  const int64_t unit = k_major ? kRows * lanes : kRows;
+  at::parallel_for(0, (j.m + unit - 1) / unit, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t lo = b0 * unit, hi = std::min(b1 * unit, j.m);
+#if defined(__x86_64__)
+    if (lanes == 16) return rows_16(j, lo, hi, k_major);
+#endif
+    rows_4(j, lo, hi, k_major);
   });
+}
+
+// k-major: the output in fp32 (a transposed conv adds its taps' products before rounding).
+template <typename T>
+at::Tensor stream(const at::Tensor& cols, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  bool k_major) {
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t m = weight.size(k_major ? 1 : 0);
+  at::Tensor out = at::empty({cols.size(0), m}, cols.options().dtype(k_major ? at::kFloat : cols.scalar_type()));
+  run(Job<T>{cols.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr(),
+             m, cols.size(1), cols.size(0), k_major},
+      k_major);
+  return out;
+}
+
+at::Tensor stream_of(const at::Tensor& cols, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                     bool k_major) {
+  TORCH_INTERNAL_ASSERT(cols.is_contiguous() && weight.is_contiguous() && cols.dim() == 2 && weight.dim() == 2 &&
+                        cols.size(1) == weight.size(k_major ? 0 : 1) && cols.scalar_type() == weight.scalar_type());
+  if (cols.scalar_type() == at::kFloat) return stream<float>(cols, weight, bias, k_major);
+  TORCH_INTERNAL_ASSERT(cols.scalar_type() == at::kBFloat16, "stream_gemm: float or bfloat16");
+  return stream<c10::BFloat16>(cols, weight, bias, k_major);
 }
 
 }  // namespace
 
 at::Tensor stream_gemm(const at::Tensor& cols, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_INTERNAL_ASSERT(cols.is_contiguous() && weight.is_contiguous() && cols.dim() == 2 && weight.dim() == 2 &&
-                        cols.size(1) == weight.size(1) && cols.scalar_type() == weight.scalar_type());
-  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  at::Tensor out = at::empty({cols.size(0), weight.size(0)}, cols.options());
-  if (cols.scalar_type() == at::kFloat) {
-    run(Job<float>{cols.data_ptr<float>(), weight.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                   out.data_ptr<float>(), weight.size(0), weight.size(1), cols.size(0)});
-  } else {
-    TORCH_INTERNAL_ASSERT(cols.scalar_type() == at::kBFloat16, "stream_gemm: float or bfloat16");
-    using B = c10::BFloat16;
-    run(Job<B>{cols.data_ptr<B>(), weight.data_ptr<B>(), b.defined() ? b.data_ptr<B>() : nullptr,
-               out.data_ptr<B>(), weight.size(0), weight.size(1), cols.size(0)});
-  }
-  return out;
+  return stream_of(cols, weight, bias, false);
+}
+
+at::Tensor stream_gemm_k_major(const at::Tensor& cols, const at::Tensor& weight) {
+  return stream_of(cols, weight, std::nullopt, true);
 }
 
 }  // namespace cpu

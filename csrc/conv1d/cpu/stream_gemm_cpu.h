@@ -22,5 +22,11 @@ namespace cpu {
 // dtype (float or bfloat16, as weight's and bias'): cols [N, K] and weight [M, K] contiguous.
 at::Tensor stream_gemm(const at::Tensor& cols, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 
+// The same with the weight stored k-major, weight [K, M] (a transposed conv's [C_in, C_out * K]
+// as it is), no bias, and the output in fp32: out[n][m] = sum over k of cols[n][k] *
+// weight[k][m], blocks of 4 vectors of output columns times 4 positions, each weight row read
+// in runs of 4 vectors.
+at::Tensor stream_gemm_k_major(const at::Tensor& cols, const at::Tensor& weight);
+
 }  // namespace cpu
 }  // namespace dpa
