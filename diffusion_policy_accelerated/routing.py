@@ -29,8 +29,9 @@ A conv of the U-Net takes one of these routes:
 `python -m diffusion_policy_accelerated.routing --unet lowdim --batch 1 8 64` prints it.
 
 The thresholds below were measured on an H100 80GB (torch 2.11.0+cu130): BENCHMARKS.md,
-"Route crossover", has the sweep and its command, docs/tried.md the A/Bs behind the rest. The kernel configuration is read when an op
-launches and when a CUDA graph captures one (GraphedSampler captures again when it changes).
+"Conv1dBlock shapes", has the sweep's command, docs/tried.md the A/Bs behind the rest. The
+kernel configuration is read when an op launches and when a CUDA graph captures one
+(GraphedSampler captures again when it changes).
 """
 import argparse
 import contextlib

@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--steps", type=int, default=16, help="DDIM steps of an action")
     parser.add_argument("--reps", type=int, default=9, help="forwards timed per path (actions: a third)")
-    parser.add_argument("--cpu-conv", default="auto", choices=["auto", "aten", "gemm"],
+    parser.add_argument("--cpu-conv", default="auto", choices=["auto", "aten", "gemm", "stream"],
                         help="ours with this KernelConfig.cpu_conv ('aten': the conv plain PyTorch runs)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
