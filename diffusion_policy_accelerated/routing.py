@@ -161,12 +161,12 @@ class KernelConfig:
     # bf16 (new / old / new). The horizon-16 U-Nets' batch-1 layers at length 8 (8.4M at
     # most) stream.
     taps_major_min_work_batch_1: int = 1 << 24
-    # CPU: how the ops run a (non-transposed) conv. "auto": the first call of each shape,
-    # dtype and thread count times ATen's conv (oneDNN), im2col + one GEMM and, over up to 32
-    # positions in fp32 or bf16, im2col + the package's weight-streaming GEMM, on its own
-    # inputs, and keeps the fastest for the process (csrc/conv1d/cpu/conv_route_cpu.h: no
-    # rule held across shapes and CPUs); "aten" / "gemm" / "stream" fix the route
-    # (reproducible bits, or a measurement).
+    # CPU: how the ops run a conv. "auto": the first call of each shape, dtype and thread
+    # count times ATen's conv (oneDNN), im2col + one GEMM and, over up to 32 positions in fp32
+    # or bf16, im2col + the package's weight-streaming GEMM (a transposed conv: ATen's or the
+    # streaming GEMM), on its own inputs, and keeps the fastest for the process
+    # (csrc/conv1d/cpu/conv_route_cpu.h: no rule held across shapes and CPUs); "aten" /
+    # "gemm" / "stream" fix the route (reproducible bits, or a measurement).
     cpu_conv: str = "auto"
     # CUDA: the SMs the launch plans fill (None: the device's). A process given fewer SMs than
     # the device has (a CUDA green context, an MPS client's share) sets it; planned for the
@@ -402,8 +402,9 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
         if transposed:
-            how = ("ATen's transposed conv or the weight-streaming GEMM, whichever was faster at this shape's first "
-                   "call (cpu_conv 'auto')" if config.cpu_conv == "auto" else
+            how = ("ATen's transposed conv or (fp32 or bf16, up to 32 positions) the weight-streaming GEMM, "
+                   "whichever was faster at this shape's first call (cpu_conv 'auto')"
+                   if config.cpu_conv == "auto" else
                    "the weight-streaming GEMM (cpu_conv 'stream')" if config.cpu_conv == "stream" else
                    f"ATen's transposed conv (cpu_conv '{config.cpu_conv}')")
             return ConvRoute(name, described, "CPU", how + ", in the input's dtype")

@@ -584,7 +584,7 @@ def test_mish_over_its_whole_range(device, dtype, length):
 @pytest.mark.parametrize("lanes", [4, 8, 16])
 def test_cpu_kernels_at_every_vector_width(lanes):
     """The CPU epilogue is compiled for 4 (SSE2, NEON), 8 (AVX2) and 16 (AVX-512) lanes, the
-    weight-streaming GEMM for 4 and 16, and each runs the widest the CPU has;
+    weight-streaming GEMM (both forms) for 4 and 16, and each runs the widest the CPU has;
     DPA_CPU_VECTOR_LANES narrows it, so that this CPU checks the widths other CPUs take (a width
     it lacks falls back to a narrower one)."""
     code = textwrap.dedent("""
@@ -604,6 +604,12 @@ def test_cpu_kernels_at_every_vector_width(lanes):
                 out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
                 torch.testing.assert_close(out.double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
                                            **TOLERANCES[dtype])
+        import test_conv1d
+        with kernel_config(cpu_conv="stream"):  # the k-major form: transposed convs
+            for shape in test_conv1d.ODD_SHAPES + test_conv1d.UNET_SHAPES:
+                if shape[7]:
+                    for dtype in (torch.float32, torch.bfloat16):
+                        test_conv1d.check(shape, dtype, "cpu")
     """)
     env = dict(os.environ, DPA_CPU_VECTOR_LANES=str(lanes))
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent,

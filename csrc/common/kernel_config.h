@@ -9,8 +9,8 @@
 
 namespace dpa {
 
-// How the CPU ops run a (non-transposed) convolution: timed on first use of each shape, or
-// fixed (conv1d/cpu/conv_route_cpu.h).
+// How the CPU ops run a convolution: timed on first use of each shape, or fixed
+// (conv1d/cpu/conv_route_cpu.h).
 enum class CpuConv : int { kAuto = 0, kAten = 1, kGemm = 2, kStream = 3 };
 
 struct KernelConfig {

@@ -22,9 +22,9 @@ std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
   return t->to(at::kFloat).contiguous();
 }
 
-// The convolutions run in the input's dtype, as ATen's conv (the one plain PyTorch runs) or
-// as one GEMM, whichever was faster when the shape was first timed on this CPU
-// (conv_route_cpu.h). Both accumulate in fp32 and round the output once to the dtype; upcasting
+// The convolutions run in the input's dtype, as ATen's conv (the one plain PyTorch runs), one
+// GEMM, or the package's weight-streaming GEMM, whichever was fastest when the shape was first
+// timed on this CPU (conv_route_cpu.h). All accumulate in fp32 and round the output once to the dtype; upcasting
 // half-precision inputs first converted every weight on every call, which made bf16 slower
 // than plain PyTorch. What follows the conv is fused in one vectorised pass per (batch row,
 // group) (epilogue_cpu.h), faster than ATen's GroupNorm, Mish and elementwise kernels one

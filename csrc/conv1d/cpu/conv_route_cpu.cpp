@@ -45,7 +45,9 @@ at::Tensor gemm_conv(const at::Tensor& x, const at::Tensor& weight, const std::o
   return from_rows(bias.has_value() ? at::addmm(*bias, cols, w) : at::mm(cols, w), x.size(0));
 }
 
-// im2col, then stream_gemm_cpu.h's GEMM, which reads each weight once.
+// im2col, then stream_gemm_cpu.h's GEMM, which reads each weight once. A weight not stored
+// [C_out][C_in][K] (a taps-major one, which the model makes only for CUDA) is copied on every
+// call; the timing at the shape's first call counts that copy.
 at::Tensor stream_conv(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        int64_t stride, int64_t padding) {
   const at::Tensor cols = im2col(x, weight.size(2), stride, padding);
@@ -107,9 +109,11 @@ at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight,
   return aten_conv(x, weight, bias, stride, padding);
 }
 
-// dtype, sizes, stride, padding, bias, the operands' layouts (a channels-last input or a
-// taps-major weight costs each route differently), threads, transposed.
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, int, bool>;
+// dtype, sizes (a transposed weight's C_out is its size(1)), stride, padding, bias, the
+// operands' layouts (a channels-last input or a taps-major weight costs each route
+// differently), threads, transposed.
+using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool,
+                       int, bool>;
 
 // The median of 5 timed calls of each route, in turn, after one untimed call of each (oneDNN
 // creates its primitive on the first). A route must be 15% faster than ATen's conv, and than
@@ -153,7 +157,7 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
   }
   static std::mutex mutex;
   static std::map<Key, Route> chosen;
-  const Key key{static_cast<int>(x.scalar_type()), x.size(0), x.size(1), x.size(2), weight.size(0),
+  const Key key{static_cast<int>(x.scalar_type()), x.size(0), x.size(1), x.size(2), weight.size(0), weight.size(1),
                 weight.size(2), stride, padding, bias.has_value(), x.is_contiguous(), weight.is_contiguous(),
                 at::get_num_threads(), transposed};
   {

@@ -1,5 +1,6 @@
-// The CPU conv ops' convolution (not transposed): ATen's (oneDNN), im2col + one GEMM, or, over
-// few positions, im2col + the package's weight-streaming GEMM (stream_gemm_cpu.h).
+// The CPU conv ops' convolution: ATen's (oneDNN), im2col + one GEMM, or, over few positions,
+// im2col + the package's weight-streaming GEMM (stream_gemm_cpu.h); a transposed conv ATen's
+// or the streaming GEMM's.
 //
 // oneDNN's direct conv is far from the weights' bandwidth at the U-Nets' few positions, and
 // its speed varies by shape without a pattern a rule could follow: on a 2-core AMD EPYC (Zen

@@ -12,7 +12,7 @@
 #endif
 
 // The vector types are passed only between functions inlined into one entry point: the ABI
-// they would have across a call does not matter.
+// they would have across a call does not matter (for every file that includes this one).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
@@ -24,6 +24,8 @@ template <int W>
 struct Lanes {
   typedef float F __attribute__((vector_size(W * sizeof(float))));
   typedef int32_t I __attribute__((vector_size(W * sizeof(int32_t))));
+  typedef uint32_t U __attribute__((vector_size(W * sizeof(uint32_t))));
+  typedef uint16_t H __attribute__((vector_size(W * sizeof(uint16_t))));  // bfloat16 bits
 };
 
 #define DPA_INLINE inline __attribute__((always_inline))

@@ -13,9 +13,10 @@ namespace cpu {
 namespace {
 
 // Rows and positions of a block: 16 accumulators, and with the 4 rows' and 4 positions' loads
-// 24 vector registers (of AVX-512's 32; NEON has 32 too). 2 x 8 and 1 x 16 blocks, which read
-// each weight fewer times from the caches past 4 positions, were 1.6-2.6x slower at every
-// measured shape (more column loads a weight).
+// 24 vector registers (of AVX-512's and NEON's 32; SSE2's 16 spill some, and still streamed
+// 26 GB/s on the Zen 4 below). 2 x 8 and 1 x 16 blocks, which read each weight fewer times
+// from the caches past 4 positions, were 1.6-2.6x slower at every measured shape (more column
+// loads a weight).
 constexpr int kRows = 4, kPositions = 4;
 
 template <typename T>
@@ -41,10 +42,9 @@ DPA_INLINE typename Lanes<W>::F load_floats(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return load<W>(p);
   } else {
-    typedef uint16_t Half __attribute__((vector_size(W * sizeof(uint16_t))));
-    Half h;
+    typename Lanes<W>::H h;
     std::memcpy(&h, p, sizeof(h));
-    const typename Lanes<W>::I bits = __builtin_convertvector(h, typename Lanes<W>::I) << 16;
+    const typename Lanes<W>::U bits = __builtin_convertvector(h, typename Lanes<W>::U) << 16;
     typename Lanes<W>::F v;
     std::memcpy(&v, &bits, sizeof(v));
     return v;
@@ -125,21 +125,28 @@ DPA_INLINE void rows_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
 }
 
 // Columns [lo, hi) of the k-major form at every position: blocks of 4 vectors, then single
-// vectors, then (past the last whole vector) one lane at a time. (No lambdas here: a lambda's
-// body is not compiled for its enclosing entry point's instruction set.)
-template <int W, typename T>
-DPA_INLINE void columns_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
+// vectors, then (past the last whole vector) one lane at a time, each at every group of 4
+// positions before the next (its weights, 4 vectors a reduction step, stay in L2 for the
+// next positions). (No lambdas here: a lambda's body is not compiled for its enclosing entry
+// point's instruction set.)
+template <int W, typename T, int C>
+DPA_INLINE void column_block(const Job<T>& j, int64_t m) {
   for (int64_t n0 = 0; n0 < j.n; n0 += kPositions) {
-    const int np = static_cast<int>(std::min<int64_t>(kPositions, j.n - n0));
-    int64_t m = lo;
-    for (; m + kRows * W <= hi; m += kRows * W) block_k_major<W, T, kRows>(j, m, n0, np);
-    for (; m + W <= hi; m += W) block_k_major<W, T, 1>(j, m, n0, np);
-    for (; m < hi; ++m) block_k_major<1, T, 1>(j, m, n0, np);
+    block_k_major<W, T, C>(j, m, n0, static_cast<int>(std::min<int64_t>(kPositions, j.n - n0)));
   }
 }
 
+template <int W, typename T>
+DPA_INLINE void columns_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
+  int64_t m = lo;
+  for (; m + kRows * W <= hi; m += kRows * W) column_block<W, T, kRows>(j, m);
+  for (; m + W <= hi; m += W) column_block<W, T, 1>(j, m);
+  for (; m < hi; ++m) column_block<1, T, 1>(j, m);
+}
+
 // The entry points for each vector width. AVX2 CPUs take the 4-lane one: on the Zen 4 above,
-// 8 lanes (the same 4 x 4 block, or 2 x 4) streamed 11-16 GB/s against 26 for 4 lanes.
+// 8 lanes (the same 4 x 4 block, or 2 x 4) streamed 11-16 GB/s against 26 for 4 lanes (not
+// measured on a CPU without AVX-512).
 template <typename T>
 void rows_4(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
   k_major ? columns_lanes<4>(j, lo, hi) : rows_lanes<4>(j, lo, hi);
