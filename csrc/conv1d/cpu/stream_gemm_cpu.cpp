@@ -4,6 +4,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "conv1d/cpu/lanes.h"
 
@@ -14,7 +15,7 @@ namespace {
 
 // Rows and positions of a block: 16 accumulators, and with the 4 rows' and 4 positions' loads
 // 24 vector registers (of AVX-512's and NEON's 32; SSE2's 16 spill some, and still streamed
-// 26 GB/s on the Zen 4 below). 2 x 8 and 1 x 16 blocks, which read each weight fewer times
+// 26 GB/s on the Zen 4 of stream_gemm_cpu.h). 2 x 8 and 1 x 16 blocks, which read each weight fewer times
 // from the caches past 4 positions, were 1.6-2.6x slower at every measured shape (more column
 // loads a weight).
 constexpr int kRows = 4, kPositions = 4;
@@ -144,16 +145,16 @@ DPA_INLINE void columns_lanes(const Job<T>& j, int64_t lo, int64_t hi) {
   for (; m < hi; ++m) column_block<1, T, 1>(j, m);
 }
 
-// The entry points for each vector width. AVX2 CPUs take the 4-lane one: on the Zen 4 above,
-// 8 lanes (the same 4 x 4 block, or 2 x 4) streamed 11-16 GB/s against 26 for 4 lanes (not
-// measured on a CPU without AVX-512).
+// The entry points for each vector width: rows [lo, hi), or k-major columns. AVX2 CPUs take
+// the 4-lane one: on the Zen 4 of stream_gemm_cpu.h, 8 lanes (the same 4 x 4 block, or 2 x 4)
+// streamed 11-16 GB/s against 26 for 4 lanes (not measured on a CPU without AVX-512).
 template <typename T>
-void rows_4(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
+void stream_4(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
   k_major ? columns_lanes<4>(j, lo, hi) : rows_lanes<4>(j, lo, hi);
 }
 #if defined(__x86_64__)
 template <typename T>
-__attribute__((target("avx512f"))) void rows_16(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
+__attribute__((target("avx512f"))) void stream_16(const Job<T>& j, int64_t lo, int64_t hi, bool k_major) {
   k_major ? columns_lanes<16>(j, lo, hi) : rows_lanes<16>(j, lo, hi);
 }
 #endif
@@ -170,9 +171,9 @@ void run(const Job<T>& j, bool k_major) {
   at::parallel_for(0, (j.m + unit - 1) / unit, 1, [&](int64_t b0, int64_t b1) {
     const int64_t lo = b0 * unit, hi = std::min(b1 * unit, j.m);
 #if defined(__x86_64__)
-    if (lanes == 16) return rows_16(j, lo, hi, k_major);
+    if (lanes == 16) return stream_16(j, lo, hi, k_major);
 #endif
-    rows_4(j, lo, hi, k_major);
+    stream_4(j, lo, hi, k_major);
   });
 }
 
