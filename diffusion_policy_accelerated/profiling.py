@@ -76,6 +76,15 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30, device="cuda") -> float:
     return 2 * nbytes / _seconds_per_call(lambda: dst.copy_(src), torch.device(device)) / 1e9
 
 
+def read_bandwidth_gbs(nbytes: int = 1 << 30, device="cpu") -> float:
+    """The rate of a sum over a buffer too large for the caches: bytes read alone. A batch-1
+    forward only reads its weights; on a CPU a copy (read plus write-allocate) counts twice
+    the bytes of that rate (2-core AMD EPYC: copy 55-61 GB/s, sum 31), so a floor from the
+    copy rate would be half what the memory allows."""
+    src = torch.ones(nbytes // 4, device=device)
+    return nbytes / _seconds_per_call(lambda: src.sum(), torch.device(device)) / 1e9
+
+
 def matmul_tflops(n: int, dtype: torch.dtype, device="cuda") -> float:
     """Dense [n, n] @ [n, n] rate, TF32 off (the fp32 rate is that of true fp32)."""
     a = torch.randn(n, n, device=device, dtype=dtype)

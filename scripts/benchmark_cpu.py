@@ -5,8 +5,8 @@ Policy's U-Nets, plain PyTorch against the fused ops, side by side in one run.
   action    one action chunk: Diffusion Policy's loop (plain U-Net + diffusers' step, what it
             runs) / GraphedSampler (fused ops, FiLM hoisted out of the loop)
   floor     the larger of the forward's conv FLOPs over the CPU's measured fp32 matmul rate
-            and its conv weights' bytes over the measured copy bandwidth (batch 1 is bound by
-            the weights)
+            and its conv weights' bytes over the measured read rate (a sum over a buffer larger
+            than the caches; batch 1 is bound by reading the weights)
 
 Medians of wall-clock times after warm-up, plain and ours timed in turn; torch's default
 threads. Writes JSON.
@@ -27,7 +27,7 @@ from benchmark import dp_loop
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.costs import conv1d_cost, conv_transpose1d_cost
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, matmul_tflops
+from diffusion_policy_accelerated.profiling import matmul_tflops, read_bandwidth_gbs
 from diffusion_policy_accelerated.routing import kernel_config
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
@@ -97,9 +97,9 @@ def main():
 
 def run(args):
     peak = matmul_tflops(1024, torch.float32, "cpu")
-    bandwidth = copy_bandwidth_gbs(256 << 20, "cpu")
+    bandwidth = read_bandwidth_gbs(512 << 20, "cpu")
     print(f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}, fp32 matmul "
-          f"{1e3 * peak:.0f} GFLOP/s, copy {bandwidth:.0f} GB/s; DDIM-{args.steps}, horizon {args.horizon}; "
+          f"{1e3 * peak:.0f} GFLOP/s, read {bandwidth:.0f} GB/s; DDIM-{args.steps}, horizon {args.horizon}; "
           f"ours: cpu_conv {args.cpu_conv!r}", flush=True)
     print(f"{'U-Net':7} {'dtype':9} {'B':>3} {'fwd plain ms':>12} {'fwd ours ms':>11} {'speed-up':>8} "
           f"{'action DP ms':>12} {'action ours ms':>14} {'speed-up':>8} {'fwd floor ms':>12}", flush=True)
