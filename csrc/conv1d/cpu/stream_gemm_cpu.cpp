@@ -22,7 +22,7 @@ constexpr int kRows = 4, kPositions = 4;
 
 template <typename T>
 struct Job {
-  const T* cols;    // [n][k]
+  const float* cols;  // [n][k], in fp32: converted once, not once a row block
   const T* weight;  // [m][k], or k-major [k][m]
   const T* bias;    // [m] or null
   void* out;        // [n][m], T or (float_out) float
@@ -60,7 +60,7 @@ DPA_INLINE void block(const Job<T>& j, int64_t m0, int64_t n0, int np) {
   using F = typename Lanes<W>::F;
   const int64_t K = j.k;  // a local: j's fields may alias the output's stores
   const T* w = j.weight + m0 * K;
-  const T* x[kPositions];
+  const float* x[kPositions];
   for (int p = 0; p < kPositions; ++p) x[p] = j.cols + (n0 + std::min(p, np - 1)) * K;
   F acc[R][kPositions];
   for (int r = 0; r < R; ++r)
@@ -69,7 +69,7 @@ DPA_INLINE void block(const Job<T>& j, int64_t m0, int64_t n0, int np) {
   for (; k + W <= K; k += W) {
     F wv[R], xv[kPositions];
     for (int r = 0; r < R; ++r) wv[r] = load_floats<W>(w + r * K + k);
-    for (int p = 0; p < kPositions; ++p) xv[p] = load_floats<W>(x[p] + k);
+    for (int p = 0; p < kPositions; ++p) xv[p] = load<W>(x[p] + k);
     for (int r = 0; r < R; ++r)
       for (int p = 0; p < kPositions; ++p) acc[r][p] += wv[r] * xv[p];
   }
@@ -78,7 +78,7 @@ DPA_INLINE void block(const Job<T>& j, int64_t m0, int64_t n0, int np) {
     for (int p = 0; p < np; ++p) {
       float sum = 0.f;
       for (int i = 0; i < W; ++i) sum += acc[r][p][i];
-      for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[r * K + t]) * static_cast<float>(x[p][t]);
+      for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[r * K + t]) * x[p][t];
       j.put(n0 + p, m0 + r, sum + bias);
     }
   }
@@ -91,7 +91,7 @@ template <int W, typename T, int C>
 DPA_INLINE void block_k_major(const Job<T>& j, int64_t m0, int64_t n0, int np) {
   using F = typename Lanes<W>::F;
   const int64_t K = j.k, M = j.m;
-  const T* x[kPositions];
+  const float* x[kPositions];
   for (int p = 0; p < kPositions; ++p) x[p] = j.cols + (n0 + std::min(p, np - 1)) * K;
   F acc[C][kPositions];
   for (int c = 0; c < C; ++c)
@@ -99,7 +99,7 @@ DPA_INLINE void block_k_major(const Job<T>& j, int64_t m0, int64_t n0, int np) {
   for (int64_t k = 0; k < K; ++k) {
     F wv[C], xv[kPositions];
     for (int c = 0; c < C; ++c) wv[c] = load_floats<W>(j.weight + k * M + m0 + c * W);
-    for (int p = 0; p < kPositions; ++p) xv[p] = splat<W>(static_cast<float>(x[p][k]));
+    for (int p = 0; p < kPositions; ++p) xv[p] = splat<W>(x[p][k]);
     for (int c = 0; c < C; ++c)
       for (int p = 0; p < kPositions; ++p) acc[c][p] += wv[c] * xv[p];
   }
@@ -182,9 +182,10 @@ template <typename T>
 at::Tensor stream(const at::Tensor& cols, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   bool k_major) {
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const at::Tensor x = cols.to(at::kFloat);  // exact for bfloat16
   const int64_t m = weight.size(k_major ? 1 : 0);
   at::Tensor out = at::empty({cols.size(0), m}, cols.options().dtype(k_major ? at::kFloat : cols.scalar_type()));
-  run(Job<T>{cols.data_ptr<T>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr(),
+  run(Job<T>{x.data_ptr<float>(), weight.data_ptr<T>(), b.defined() ? b.data_ptr<T>() : nullptr, out.data_ptr(),
              m, cols.size(1), cols.size(0), k_major},
       k_major);
   return out;
