@@ -401,17 +401,21 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     described = (f"{'ConvTranspose1d' if transposed else 'Conv1d'} {channels}->{conv.out_channels} "
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
+        # The streaming GEMM has fp32 and bf16; "auto" times it up to 32 positions (input
+        # positions for a transposed conv), conv_route_cpu.cpp's streams().
+        streams = dtype in (torch.float32, torch.bfloat16)
         if transposed:
             how = ("ATen's transposed conv or (fp32 or bf16, up to 32 positions) the weight-streaming GEMM, "
                    "whichever was faster at this shape's first call (cpu_conv 'auto')"
                    if config.cpu_conv == "auto" else
-                   "the weight-streaming GEMM (cpu_conv 'stream')" if config.cpu_conv == "stream" else
+                   "the weight-streaming GEMM (cpu_conv 'stream')" if config.cpu_conv == "stream" and streams else
                    f"ATen's transposed conv (cpu_conv '{config.cpu_conv}')")
             return ConvRoute(name, described, "CPU", how + ", in the input's dtype")
-        how = {"auto": "ATen's conv, one GEMM or the weight-streaming GEMM, whichever was fastest at this shape's "
-                       "first call (cpu_conv 'auto')",
+        how = {"auto": "ATen's conv, one GEMM or (fp32 or bf16, up to 32 positions) the weight-streaming GEMM, "
+                       "whichever was fastest at this shape's first call (cpu_conv 'auto')",
                "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')",
-               "stream": "im2col + the weight-streaming GEMM (cpu_conv 'stream')"}[config.cpu_conv]
+               "stream": "im2col + the weight-streaming GEMM (cpu_conv 'stream')" if streams
+                         else "ATen's conv (cpu_conv 'stream' has no half precision)"}[config.cpu_conv]
         return ConvRoute(name, described, "CPU", how + ", in the input's dtype"
                          + (", then the fused epilogue" if group_norm else ""))
     # The ops' GEMM N: output positions, or for a transposed conv input positions.

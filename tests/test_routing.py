@@ -154,6 +154,11 @@ def test_explain_names_every_conv_and_its_route():
     assert {r.route for r in cpu} == {"CPU"} and any("whichever was fastest" in r.why for r in cpu)
     with kernel_config(cpu_conv="gemm"):
         assert all("GEMM" in r.why or "transposed" in r.why for r in explain(unet, 3, 16, device="cpu"))
+    # Forced streaming: every conv in fp32, none in fp16 (ATen's conv there, as the ops do).
+    with kernel_config(cpu_conv="stream"):
+        assert all("weight-streaming GEMM (cpu_conv 'stream')" in r.why for r in explain(unet, 1, 16, device="cpu"))
+        assert not any("weight-streaming" in r.why
+                       for r in explain(unet, 1, 16, dtype=torch.float16, device="cpu"))
     # A half-precision model's shapes are found with inputs of its dtype.
     assert explain(unet.to(torch.bfloat16), 64, 16, device="cuda") == routes
     with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):
