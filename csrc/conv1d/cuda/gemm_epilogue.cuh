@@ -8,6 +8,7 @@
 
 #include <cooperative_groups.h>
 #include <type_traits>
+#include <utility>
 
 #include "common/launch.h"
 #include "conv1d/cuda/device_common.cuh"
@@ -17,6 +18,28 @@
 namespace dpa {
 
 namespace cg = cooperative_groups;
+
+// The GEMM route's own kernels (im2col and the epilogues) are launched as programmatic
+// dependents (launch_dependent), and wait for the kernel before them before they read or write
+// anything a kernel may touch: where that one is a cuBLAS GEMM its blocks' exits stand in for
+// its trigger, so an epilogue is resident as the GEMM ends. Every block waits first, before
+// any early exit: a kernel's completion then implies its producer's, which the next kernel's
+// wait relies on. The epilogues also let the next kernel launch at once (start_as_dependent);
+// im2col does not: the narrow GEMM after it plans one block an SM, and launched early it
+// finds SMs taken by waiting blocks. H100, LeRobot's U-Net at horizon 64, batch 1, fp32 ms per
+// DDPM-100 action: 86.4 before, 82.1 so, 83.7 with neither triggering early, 97.6 with
+// im2col triggering too (docs/tried.md has batch 8).
+__device__ __forceinline__ void start_as_dependent() {
+  allow_dependents();
+  wait_for_producer();
+}
+
+template <typename... Params, typename... Args>
+void launch_dependent(dim3 grid, void (*kernel)(Params...), Args&&... args) {
+  LaunchConfig launch(grid, dim3(kThreads), 0);
+  launch.programmatic_dependent();
+  C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, std::forward<Args>(args)...));
+}
 
 // One output's sum over taps k = 0..taps-1, in tap order, of rows[index(k)] (index < 0: the
 // tap adds nothing), from a GEMM result whose rows are (channel, tap); also a split GEMM's
@@ -72,6 +95,7 @@ __device__ __forceinline__ GemmPre<T> gemm_pre(const StreamArgs& a, const GemmRe
 // compiled in (0: any), so that the U-Nets' kernel sizes unroll completely.
 template <typename T, int kTaps>
 struct TapRowsPre {
+  static constexpr int kCompiledTaps = kTaps;
   const float* z;
   int64_t positions;
   const void* bias;
@@ -132,6 +156,7 @@ template <typename T, typename Pre>
 __device__ __forceinline__ void group_norm_epilogue(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io) {
   __shared__ float scratch[kWarps];
   __shared__ float staged[kHeldPerThread * kThreads];  // the group's outputs, for io.cols
+  start_as_dependent();
   const int b = blockIdx.x / a.groups, g = blockIdx.x % a.groups;
   const int cpg = a.cout / a.groups, L = a.lout, count = cpg * L;
   float v[kHeldPerThread];
@@ -304,6 +329,7 @@ template <typename T, typename Pre>
 __device__ __forceinline__ float2 load_slice(const StreamArgs& a, const Pre& pre, const GemmEpilogueIo& io,
                                              const GroupSlice& q, float (&v)[kHeldPerThread],
                                              Epilogue (&e)[kHeldPerThread], float* scratch) {
+  start_as_dependent();
   for_held(q, [&](int j, int, int c, int l) {
     v[j] = pre(c, q.b * q.L + l);
     e[j] = load_epilogue_io<T>(a, io, q.b, c, l);
@@ -393,6 +419,7 @@ template <typename T, typename Pre>
 __global__ void __launch_bounds__(kThreads)
     group_slice_moments_kernel(const StreamArgs a, const Pre pre, const GroupSlices s) {
   __shared__ float scratch[kWarps];
+  start_as_dependent();
   const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   for_held(q, [&](int j, int i, int c, int l) {
@@ -409,6 +436,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     group_slice_normalize_kernel(const StreamArgs a, const GroupSlices s, const GemmEpilogueIo io) {
+  start_as_dependent();
   const GroupSlice q = group_slice_of(a, s);
   float v[kHeldPerThread];
   Epilogue e[kHeldPerThread];
@@ -424,6 +452,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename P>
 __global__ void __launch_bounds__(kThreads) conv_epilogue_kernel(const StreamArgs a, const GemmResult result,
                                                                  GemmForm form) {
+  start_as_dependent();
   const int i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= a.batch * a.cout * a.lout) return;
   const int row = i / a.lout, o = i - row * a.lout, b = row / a.cout, c = row - b * a.cout;
@@ -462,6 +491,7 @@ constexpr int kIm2colRowsPerThread = 8;
 template <typename T, bool kSplit>
 __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, const Im2col cut,
                                                           int rows, T* __restrict__ cols) {
+  wait_for_producer();
   const int positions = a.batch * cut.length;
   const int n = blockIdx.x * kThreads + threadIdx.x;
   if (n >= positions) return;
@@ -491,9 +521,7 @@ template <typename T>
 void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
   const dim3 grid((a.positions + kThreads - 1) / kThreads,
                   std::min((rows + kIm2colRowsPerThread - 1) / kIm2colRowsPerThread, 65535));
-  const auto kernel = a.x2 ? im2col_kernel<T, true> : im2col_kernel<T, false>;
-  kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a, cut, rows, cols);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dependent(grid, a.x2 ? im2col_kernel<T, true> : im2col_kernel<T, false>, a, cut, rows, cols);
 }
 
 // f(pre functor) for the GEMM result of the form: TapRowsPre, Diffusion Policy's kernel sizes
@@ -535,7 +563,6 @@ bool group_slices_cluster_fit(const StreamArgs& a, GemmForm form, int slices, in
 template <typename T>
 void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form,
                                 const GemmEpilogueIo& io, const GroupSlices& slices) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int units = a.batch * a.groups;
   TORCH_INTERNAL_ASSERT(slices.slices == 1 || !io.cols || io.taps == 1,
                         "a sliced GroupNorm epilogue writes columns of one tap only");
@@ -546,6 +573,7 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
       if (slices.cluster) {  // group_slices_cluster_fit
         LaunchConfig launch(grid, dim3(kThreads), 0);
         launch.clusters(slices.slices);
+        launch.programmatic_dependent();
         C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), group_slices_cluster_kernel<T, Pre>, a, rows, slices, io));
         return;
       }
@@ -560,33 +588,27 @@ void launch_group_norm_epilogue(const StreamArgs& a, const GemmResult& pre, Gemm
         if (error != cudaErrorCooperativeLaunchTooLarge) C10_CUDA_CHECK(error);
         (void)cudaGetLastError();
       }
-      group_slice_moments_kernel<T><<<grid, kThreads, 0, stream>>>(a, rows, slices);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      group_slice_normalize_kernel<T><<<grid, kThreads, 0, stream>>>(a, slices, io);
+      launch_dependent(grid, group_slice_moments_kernel<T, Pre>, a, rows, slices);
+      launch_dependent(grid, group_slice_normalize_kernel<T>, a, slices, io);
     });
   } else if (form != GemmForm::kTapRows) {
-    group_norm_epilogue_kernel<T><<<units, kThreads, 0, stream>>>(a, pre, io);
+    launch_dependent(dim3(units), group_norm_epilogue_kernel<T>, a, pre, io);
   } else {
     with_pre<T>(a, pre, form, [&](const auto& rows) {
-      if constexpr (!std::is_same_v<std::decay_t<decltype(rows)>, GemmPre<T>>) {
-        tap_rows_group_norm_epilogue_kernel<<<units, kThreads, 0, stream>>>(a, rows, io);
+      using Pre = std::decay_t<decltype(rows)>;
+      if constexpr (!std::is_same_v<Pre, GemmPre<T>>) {
+        launch_dependent(dim3(units), tap_rows_group_norm_epilogue_kernel<T, Pre::kCompiledTaps>, a, rows, io);
       }
     });
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form) {
   const int64_t outputs = static_cast<int64_t>(a.batch) * a.cout * a.lout;
   const int blocks = static_cast<int>((outputs + kThreads - 1) / kThreads);
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (form == GemmForm::kIm2col) {
-    conv_epilogue_kernel<T, T><<<blocks, kThreads, 0, stream>>>(a, pre, form);
-  } else {
-    conv_epilogue_kernel<T, float><<<blocks, kThreads, 0, stream>>>(a, pre, form);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_dependent(dim3(blocks), form == GemmForm::kIm2col ? conv_epilogue_kernel<T, T> : conv_epilogue_kernel<T, float>,
+                   a, pre, form);
 }
 
 // The GEMM route's kernels of dtype T, in one translation unit.
