@@ -17,7 +17,7 @@ A conv of the U-Net takes one of these routes:
                conv's multiply-adds reach `gemm_min_work` (`transposed_gemm_min_work`), or in
                half precision without Hopper's launch features from
                `portable_half_gemm_min_positions`: im2col + one cuBLAS GEMM + an epilogue
-               kernel; in fp32 over up to 16 positions the package's own GEMM instead
+               kernel; in fp32 over up to 32 positions the package's own GEMM instead
                (`narrow_gemm`). In half precision a GroupNorm conv's weight may be passed
                taps-major (`taps_major_pays`): the GEMM then multiplies x itself and the
                epilogue adds up the taps, and a taps-major weight takes this route at any size.
@@ -114,16 +114,19 @@ class KernelConfig:
     # where they fill the SMs four times (not twice) lost at batch 1: horizon 64 101.51 /
     # 99.14 / 101.58, 128 113.91 / 108.99 / 114.17.
     fp32_gemm_max_splits: int = 32
-    # fp32 convs on the GEMM route (im2col form) over up to 16 positions (a batch-1 layer of a
-    # long horizon): the package's own GEMM (csrc/conv1d/cuda/narrow_gemm.cu), which streams
+    # fp32 convs on the GEMM route (im2col form) over up to 32 positions (a batch-1 layer of a
+    # long horizon, a deep layer of a small batch): the package's own GEMM (csrc/conv1d/cuda/narrow_gemm.cu), which streams
     # the weights through a shared-memory ring, instead of cuBLAS's SIMT SGEMM cut into slices.
     # H100, µs per fp32 conv1d_gn_mish of LeRobot's U-Net at batch 1 (im2col, GEMM, epilogue),
     # narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 2048->2048 k5 52.0
     # / 60.2 / 51.9, 4096->1024 51.4 / 62.4 / 50.9, 1024->1024 20.4 / 25.1 / 20.3 (horizon
     # 64), 2048->512 21.8 / 32.1 / 21.9 (horizon 32). DDPM-100 fp32 ms, LeRobot's U-Net at
     # batch 1: horizon 64 86.40 / 95.17 / 86.11, 32 77.11 / 79.62 / 76.78. Over 17-32
-    # positions (two blocks' positions, each streaming the weights) it was no faster
-    # (docs/tried.md).
+    # positions a block holds 32 (2^23 weight elements at most, and not beside a cuBLAS GEMM;
+    # csrc/conv1d/cuda/gemm_route.cpp): DDPM-100 fp32 ms, new / 16 at most / new, LeRobot's
+    # U-Net at batch 1, horizon 32 72.68 / 74.36 / 72.91, 64 80.45 / 82.03 / 80.24, 128 101.78
+    # / 102.04 / 101.98; batch 2 lowdim 30.65 / 31.45 / 30.54, image 77.52 / 78.28 / 77.49;
+    # batch 8 lowdim 54.76 / 55.09 / 54.52, image 103.83 / 103.62 / 103.57.
     narrow_gemm: bool = True
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1. Also the
@@ -304,23 +307,33 @@ def _gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: to
 
 
 # narrow_gemm's rule (csrc/conv1d/cuda/gemm_route.cpp's narrow_gemm_splits): positions, weight
-# rows per block, reduction elements and shared-memory bytes per stage of its ring.
-_NARROW_POSITIONS, _NARROW_ROWS, _NARROW_CHUNK = 16, 32, 128
-_NARROW_STAGE_BYTES = _NARROW_CHUNK * (_NARROW_POSITIONS + 4 + _NARROW_ROWS) * 4
+# rows per block, reduction elements per stage of its ring; a block holds 16 positions, or 32
+# where the GEMM has more than 16, and then only up to _NARROW_WIDE_MAX_WEIGHTS weight elements
+# and not beside a cuBLAS GEMM on another stream (gemm_route.cpp has the measurements).
+_NARROW_MAX_POSITIONS, _NARROW_ROWS, _NARROW_CHUNK, _NARROW_WIDE_MAX_WEIGHTS = 32, 32, 128, 1 << 23
+
+
+def _narrow_stage_bytes(positions: int) -> int:
+    """Shared-memory bytes per stage of narrow_gemm.cu's ring (its stage_bytes)."""
+    return _NARROW_CHUNK * ((16 if positions <= 16 else _NARROW_MAX_POSITIONS) + 4 + _NARROW_ROWS) * 4
 
 
 def _narrow_gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, device: torch.device,
-                        config: KernelConfig) -> int:
+                        config: KernelConfig, beside_cublas: bool = False) -> int:
     """The slices of its reduction narrow_gemm.cu cuts an im2col GEMM of `conv` into, or 0
     where cuBLAS runs it (gemm_route.h's narrow_gemm_splits): fp32, no transposed conv, up to
-    16 positions, on a GPU known here; the tensors are taken as aligned, as the model's are."""
+    32 positions (over 16, up to 2^23 weight elements and not `beside_cublas`: on a side stream
+    beside a cuBLAS GEMM), on a GPU known here; the tensors are taken as aligned, as the
+    model's are."""
     if (dtype != torch.float32 or isinstance(conv, nn.ConvTranspose1d) or not config.narrow_gemm
-            or positions > _NARROW_POSITIONS or not torch.cuda.is_available()):
+            or positions > _NARROW_MAX_POSITIONS or not torch.cuda.is_available()):
+        return 0
+    reduction = conv.in_channels * conv.kernel_size[0]
+    if positions > 16 and (beside_cublas or conv.out_channels * reduction > _NARROW_WIDE_MAX_WEIGHTS):
         return 0
     props = torch.cuda.get_device_properties(device)
-    reduction = conv.in_channels * conv.kernel_size[0]
     if (props.major < 8 or reduction % 4 or positions % 4
-            or props.shared_memory_per_block_optin < 3 * _NARROW_STAGE_BYTES):
+            or props.shared_memory_per_block_optin < 3 * _narrow_stage_bytes(positions)):
         return 0
     sms = min(props.multi_processor_count, config.sm_count) if config.sm_count else props.multi_processor_count
     row_tiles, chunks = -(-conv.out_channels // _NARROW_ROWS), -(-reduction // _NARROW_CHUNK)
@@ -424,32 +437,37 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     taps = group_norm and _taps_major_pays(conv, batch, length, dtype, config, device)
     sized = conv  # the conv whose size decides the route
 
-    def sliced(gemm_conv: nn.Module, narrow: bool = True) -> str:
+    def sliced(gemm_conv: nn.Module, narrow: bool = True, beside_cublas: bool = False) -> str:
         """The GEMM's kernel where it is the package's (narrow_gemm), and its slices."""
-        splits = _narrow_gemm_splits(gemm_conv, positions, dtype, device, config) if narrow else 0
+        splits = _narrow_gemm_splits(gemm_conv, positions, dtype, device, config, beside_cublas) if narrow else 0
         if splits:
             return ", narrow GEMM" + (f", {splits} slices" if splits > 1 else "")
         splits = _gemm_splits(gemm_conv, positions, dtype, device, config)
         return f", {splits} slices" if splits > 1 else ""
 
-    paired = False
+    paired = beside_cublas = False
     if block is not None:
         first, second = block.blocks[0].block[0], block.blocks[1].block[0]
         # A block with a shortcut runs its first conv and the shortcut as one
         # conv1d_gn_mish_shortcut, on the first conv's route, with the contiguous weight.
         paired = isinstance(block.residual_conv, nn.Conv1d) and conv in (first, block.residual_conv)
+        # A paired shortcut's GEMM runs beside the first conv's where on a side stream.
+        beside_cublas = (paired and conv is block.residual_conv and _shortcut_beside(block, dtype, positions, config)
+                         and not _narrow_gemm_splits(first, positions, dtype, device, config))
         if _block_op_pays(first, second, batch, length, dtype, config, device):
             group = first.out_channels // block.blocks[0].block[1].num_groups * length
             layout = ", taps-major" if taps else ""
             if group <= _BLOCK_OP_MAX_GROUP or (batch > 1 and _taps_major_pays(second, batch, length, dtype, config,
                                                                                 device)):
-                # The op's shortcut GEMM is never split; its second conv's GEMM reads its
-                # columns transposed, which the narrow GEMM does not.
+                # The op's shortcut GEMM is cuBLAS's, never split, beside the first conv's
+                # GEMM on a side stream where side_stream has it; its second conv's GEMM reads
+                # its columns transposed, which the narrow GEMM does not.
                 if not taps and conv is not block.residual_conv:
-                    layout = sliced(conv, narrow=conv is not second)
+                    layout = sliced(conv, narrow=conv is not second,
+                                    beside_cublas=conv is first and _shortcut_beside(block, dtype, positions, config))
                 return ConvRoute(name, described, "GEMM, block op" + layout,
                                  "its residual block runs as one op on the GEMM route")
-            layout = layout or sliced(conv)
+            layout = layout or sliced(conv, beside_cublas=beside_cublas)
             # The shortcut runs on its first conv's route.
             why = ("as its block's first conv, "
                    + _gemm_reason(first, positions, dtype, _taps_major_pays(first, batch, length, dtype, config, device),
@@ -463,7 +481,8 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
         sized = first if paired else conv
     why = _gemm_reason(sized, positions, dtype, taps, config, device)
     if why is not None:
-        return ConvRoute(name, described, "GEMM" + (", taps-major" if taps else sliced(conv)),
+        layout = ", taps-major" if taps else sliced(conv, beside_cublas=beside_cublas)
+        return ConvRoute(name, described, "GEMM" + layout,
                          why + ("; with the block's first conv, in one op" if paired else ""))
     plan = "Hopper: clusters where they fit, else split-K" if config.clusters else "split-K (clusters off)"
     below = ("multiply-adds {} < {} {}".format(_work(sized, positions), *_min_work(sized, config))
@@ -472,6 +491,13 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
     return ConvRoute(name, described, "streaming" + (", paired" if paired else ""),
                      f"batch x length {positions} < gemm_min_positions {config.gemm_min_positions}, {below}; {plan}"
                      + ("; the block's first conv and shortcut in one launch" if paired else ""))
+
+
+def _shortcut_beside(block: nn.Module, dtype: torch.dtype, positions: int, config: KernelConfig) -> bool:
+    """Whether the block's 1x1 shortcut GEMM runs on a side stream, beside its first conv's
+    (csrc/conv1d/cuda/gemm_route.cpp's shortcut_on_side_stream)."""
+    return (isinstance(block.residual_conv, nn.Conv1d) and config.side_stream
+            and (dtype != torch.float32 or positions < config.side_stream_fp32_max_positions))
 
 
 def _gemm_reason(conv: nn.Module, positions: int, dtype: torch.dtype, taps: bool,

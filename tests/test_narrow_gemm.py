@@ -3,14 +3,17 @@ taken where gemm_route.h's narrow_gemm_splits says): each op on the GEMM route w
 with cuBLAS's, against the float64 references of the ops' own tests (fp32 tolerance 1e-4
 there). The shapes cover what the kernel masks: output channels that are not a multiple of
 its 32 rows a block, reductions that are not a multiple of its 128-element chunk, fewer
-positions than its 16, two batch rows, a sliced GroupNorm group, a strided conv, a block's
-first conv with its 1x1 shortcut (which reads the centre tap's rows of the same columns,
-every fifth row), and a whole residual block (its first GEMM). Bits that differ from cuBLAS's
-(another summation order) show that the kernel ran. A NaN-filled block of its partial sums'
-size is left in the allocator first (the op's inputs may take it; an unwritten partial then
-shows as stale values against the reference). With a budget of one or two SMs, a block's
-slice is dozens of chunks: the ring's stages are refilled many times. Where the kernel cannot take a GEMM
-(positions or reductions not a multiple of 4, more than 16 positions) the bits are cuBLAS's."""
+positions than a block's 16 or 32 (a block holds 32 from 17 positions on), two batch rows,
+a sliced GroupNorm group, a strided conv, a block's first conv with its 1x1 shortcut (which
+reads the centre tap's rows of the same columns, every fifth row; over 32 positions on a
+side stream the shortcut's GEMM is narrow only beside the first conv's narrow GEMM), and a
+whole residual block (its first GEMM; over 32 positions cuBLAS's beside its shortcut's cuBLAS
+GEMM on a side stream). Bits that differ from cuBLAS's (another summation order) show that
+the kernel ran. A NaN-filled block of its partial sums' size is left in the allocator first
+(the op's inputs may take it; an unwritten partial then shows as stale values against the
+reference). With a budget of one or two SMs, a block's slice is dozens of chunks: the ring's
+stages are refilled many times. Where the kernel cannot take a GEMM (positions or reductions
+not a multiple of 4, more than 32 positions) the bits are cuBLAS's."""
 
 import pytest
 import torch
@@ -49,10 +52,12 @@ def assert_narrow_ran(outs):
 
 
 # (batch, C_in, C_out, length, kernel, groups): 40 rows (a block's 32 and 8 of the next), a
-# reduction of 500 (3 chunks and 116) over 12 positions; 96 rows over 16; two batch rows of 8;
-# a 512-channel group of 8192 elements (sliced epilogue).
-@pytest.mark.parametrize("shape", [(1, 100, 40, 12, 5, 4), (1, 1024, 96, 16, 5, 8), (2, 256, 64, 8, 5, 8),
-                                   (1, 512, 512, 16, 5, 1)], ids=str)
+# reduction of 500 (3 chunks and 116) over 12 positions, and over 20 (a 32-position block);
+# 96 rows over 16 and over 32; two batch rows of 8, and of 12 (24 positions); a 512-channel
+# group of 8192 elements, and of 16384 over 32 positions (sliced epilogue).
+@pytest.mark.parametrize("shape", [(1, 100, 40, 12, 5, 4), (1, 100, 40, 20, 5, 4), (1, 1024, 96, 16, 5, 8),
+                                   (1, 1024, 96, 32, 5, 8), (2, 256, 64, 8, 5, 8), (2, 256, 64, 12, 5, 8),
+                                   (1, 512, 512, 16, 5, 1), (1, 512, 512, 32, 5, 1)], ids=str)
 def test_conv1d_gn_mish(shape):
     batch, cin, cout, length, k, _ = shape
     s = splits(cin, cout, k, batch * length)
@@ -61,9 +66,10 @@ def test_conv1d_gn_mish(shape):
                                         s * cout * batch * length))
 
 
-# (batch, C_in, C_out, length, kernel, stride, padding, transposed): a stride-2 downsampling
-# conv to 16 positions, and batch 3 of length 4.
-@pytest.mark.parametrize("shape", [(1, 512, 64, 32, 3, 2, 1, False), (3, 160, 48, 4, 5, 1, 2, False)], ids=str)
+# (batch, C_in, C_out, length, kernel, stride, padding, transposed): stride-2 downsampling
+# convs to 16 and 32 positions, and batch 3 of length 4.
+@pytest.mark.parametrize("shape", [(1, 512, 64, 32, 3, 2, 1, False), (1, 512, 64, 64, 3, 2, 1, False),
+                                   (3, 160, 48, 4, 5, 1, 2, False)], ids=str)
 def test_conv1d(shape):
     batch, cin, cout, length, k, stride, padding, _ = shape
     positions = batch * ((length + 2 * padding - k) // stride + 1)
@@ -82,17 +88,48 @@ def test_conv1d_gn_mish_shortcut(skip_from):
     assert_narrow_ran(shortcuts)
 
 
-def test_residual_block():
-    """One op on the GEMM route (groups of 512 elements, held): its first conv's GEMM is the
-    narrow one; its second reads the first epilogue's columns transposed and stays cuBLAS's."""
-    shape = (1, 1024, 256, 16, 5, 8)
-    assert_narrow_ran(narrow_and_cublas(lambda: block_tests.check(shape, torch.float32, "cuda")[2],
-                                        splits(1024, 256, 5, 16) * 256 * 16))
+# (C_in, C_out, side stream, first conv narrow, shortcut narrow) over 32 positions: a narrow
+# block then takes an SM's registers whole, so the shortcut's GEMM on a side stream
+# (KernelConfig.side_stream) takes the narrow GEMM only beside the first conv's narrow GEMM,
+# not beside cuBLAS's (a 1024 -> 2048 k5 weight is more than 2^23 elements).
+@pytest.mark.parametrize("cin,cout,side_stream,first_narrow,shortcut_narrow", [
+    (512, 256, True, True, True), (1024, 2048, True, False, False), (1024, 2048, False, False, True)], ids=str)
+def test_shortcut_at_32_positions(cin, cout, side_stream, first_narrow, shortcut_narrow):
+    shape = (1, cin, cout, 32, 5, 8)
+    partials = max(splits(cin, cout, 5, 32), splits(cin, cout, 1, 32)) * cout * 32
+    with kernel_config(side_stream=side_stream):
+        outs, shortcuts = zip(*narrow_and_cublas(lambda: shortcut_tests.check(shape, torch.float32, "cuda"),
+                                                 partials))
+    for pair, narrow in ((outs, first_narrow), (shortcuts, shortcut_narrow)):
+        if narrow:
+            assert_narrow_ran(pair)
+        else:
+            assert torch.equal(pair[0], pair[1]), "the narrow GEMM ran where cuBLAS's should"
+
+
+# (length, side stream, first conv narrow): over 32 positions its shortcut's cuBLAS GEMM on a
+# side stream runs beside the first conv's, which is then cuBLAS's too (narrow_gemm_splits).
+@pytest.mark.parametrize("length,side_stream,first_narrow", [(16, True, True), (32, True, False), (32, False, True)],
+                         ids=str)
+def test_residual_block(length, side_stream, first_narrow):
+    """One op on the GEMM route (groups of 512 or 1024 elements, held): its first conv's GEMM
+    is the narrow one; its second reads the first epilogue's columns transposed and stays
+    cuBLAS's."""
+    shape = (1, 1024, 256, length, 5, 8)
+    with kernel_config(side_stream=side_stream):
+        outs = narrow_and_cublas(lambda: block_tests.check(shape, torch.float32, "cuda")[2],
+                                 splits(1024, 256, 5, length) * 256 * length)
+    if first_narrow:
+        assert_narrow_ran(outs)
+    else:
+        assert torch.equal(outs[0], outs[1]), "the narrow GEMM ran beside the shortcut's cuBLAS GEMM"
 
 
 # A budget of 1 and 2 SMs (KernelConfig.sm_count): whole reductions of 40 and 80 chunks a block
-# (the second LeRobot's 2048 -> 2048 k5 layer at horizon 64), the ring refilled throughout.
-@pytest.mark.parametrize("shape,sm_count", [((1, 1024, 96, 16, 5, 8), 1), ((1, 2048, 2048, 16, 5, 8), 2)], ids=str)
+# (the second LeRobot's 2048 -> 2048 k5 layer at horizon 64; the third its 2048 -> 512 layer
+# at horizon 32, 32 positions), the ring refilled throughout.
+@pytest.mark.parametrize("shape,sm_count", [((1, 1024, 96, 16, 5, 8), 1), ((1, 2048, 2048, 16, 5, 8), 2),
+                                            ((1, 2048, 512, 32, 5, 8), 2)], ids=str)
 def test_long_slices(shape, sm_count):
     batch, cin, cout, length, k, _ = shape
     with kernel_config(sm_count=sm_count):
@@ -103,8 +140,8 @@ def test_long_slices(shape, sm_count):
                                             cout * batch * length))
 
 
-# Not taken: 7 positions, a reduction of 15 (3 channels), 24 positions.
-@pytest.mark.parametrize("shape", [(1, 64, 32, 7, 5, 4), (1, 3, 32, 16, 5, 4), (3, 64, 32, 8, 5, 4)], ids=str)
+# Not taken: 7 positions, a reduction of 15 (3 channels), 36 positions.
+@pytest.mark.parametrize("shape", [(1, 64, 32, 7, 5, 4), (1, 3, 32, 16, 5, 4), (3, 64, 32, 12, 5, 4)], ids=str)
 def test_cublas_where_the_narrow_gemm_does_not_fit(shape):
     batch, cin, cout, length, k, _ = shape
     assert splits(cin, cout, k, batch * length) == 0

@@ -222,6 +222,19 @@ def test_explain_names_every_conv_and_its_route():
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
+    # The 1024-channel layers over 32 positions (every conv over 32+ positions takes the GEMM
+    # route) are the narrow GEMM's as well, a block holding all 32.
+    # A shortcut's GEMM over 32 positions, on a side stream, takes it only beside its first
+    # conv's narrow GEMM: at horizon 64 (2048 -> 512), not at 128 (4096 -> 1024, whose k5 conv
+    # is more than 2^23 weight elements and cuBLAS's).
+    with torch.device("meta"):
+        h128 = {r.module: r for r in explain(lerobot, 1, 128, dtype=torch.float32, device="cuda")}
+    if 128 <= sms < 160:
+        for routes, module in ((wide, "down_modules.1.1.blocks.0.block.0"), (wide, "up_modules.1.0.blocks.0.block.0"),
+                               (wide, "up_modules.1.0.residual_conv")):
+            assert routes[module].route.startswith("GEMM, narrow GEMM"), routes[module]
+    for module in ("up_modules.0.0.blocks.0.block.0", "up_modules.0.0.residual_conv"):
+        assert "narrow" not in h128[module].route, h128[module]
     # The upsampling conv over 16 positions (1024 x 1024 x 4 x 16): the GEMM route by
     # transposed_gemm_min_work, in both precisions; the horizon-16 U-Nets' (at most 8) stream.
     for routes in (wide, deep):
@@ -329,7 +342,10 @@ def test_gemm_splits_rule(sms, out_channels, in_channels, kernel, positions, spl
     (132, 2048, 2048, 5, 16, 2),    # 64 blocks of 32 rows: 2 slices put one on each SM
     (132, 1024, 4096, 5, 16, 4),    # 32 blocks: 4
     (132, 256, 256, 5, 12, 10),     # 8 blocks: 16 wanted, but a reduction of 10 chunks: a slice each
-    (132, 1024, 1024, 5, 32, 0),    # more than a block's 16 positions: cuBLAS
+    (132, 1024, 1024, 5, 32, 4),    # 32 positions, a block holding all: 32 blocks, 4 slices
+    (132, 512, 512, 5, 20, 7),      # 20 positions in a block of 32: 16 blocks, 20 chunks in 7 slices
+    (132, 2048, 1024, 5, 32, 0),    # over 16 positions, more than 2^23 weight elements: cuBLAS
+    (132, 1024, 1024, 5, 36, 0),    # more than a block's 32 positions: cuBLAS
     (132, 256, 256, 5, 14, 0),      # positions not a multiple of 4
     (132, 256, 3, 5, 16, 0),        # a reduction of 15, not a multiple of 4
     (132, 32, 16, 5, 16, 1),        # one block, a reduction of one chunk: whole

@@ -33,7 +33,7 @@ struct KernelConfig {
   // The most slices an fp32 conv's im2col GEMM is cut into along its reduction (1: never cut;
   // gemm_route.h's gemm_splits).
   int64_t fp32_gemm_max_splits;
-  // fp32 convs on the GEMM route over up to 16 positions: the package's own GEMM
+  // fp32 convs on the GEMM route over up to 32 positions: the package's own GEMM
   // (narrow_gemm.cu) instead of cuBLAS's, where gemm_route.h's narrow_gemm_splits takes it.
   bool narrow_gemm;
   bool side_stream;

@@ -187,8 +187,9 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     const at::Tensor cols = gemm_columns(c.a, x, form);
     const at::Tensor centre = centre_columns(c.a, cols, form);
     SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), cs.a.positions));
+    const bool beside_cublas = shortcut.forked() && !takes_narrow_gemm(c.a, c.weight, cols, form);
     shortcut.run([&] {
-      launch_conv_epilogue(cs.a, x.scalar_type(), gemm(cs.a, cs.weight, centre, GemmForm::kIm2col),
+      launch_conv_epilogue(cs.a, x.scalar_type(), gemm(cs.a, cs.weight, centre, GemmForm::kIm2col, beside_cublas),
                            GemmForm::kIm2col);
     });
     c.a.counters = counters_data(counters);
@@ -262,7 +263,7 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   } else {
     identity = skip.has_value() ? at::cat({x, *skip}, 1) : x;
   }
-  const at::Tensor pre = gemm(first.a, first.weight, cols, form);
+  const at::Tensor pre = gemm(first.a, first.weight, cols, form, shortcut && shortcut->forked());
   // The second conv's input exists only as its GEMM columns, transposed (GemmEpilogueIo):
   // im2col's, or where its taps are rows, the first conv's output channels-last.
   const int taps2 = form2 == GemmForm::kTapRows ? 1 : static_cast<int>(r.second.kernel_size);

@@ -252,8 +252,8 @@ void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm f
 // gemm_route.h's narrow_gemm_splits takes it: out[s][m][n], for s < splits, is the sum over
 // reduction slice s (split_chunks chunks of kNarrowChunk elements) of weight[m][k] *
 // cols[k][n]: a GemmResult of `splits` partial sums.
-constexpr int kNarrowPositions = 16;  // positions per block
-constexpr int kNarrowChunk = 128;     // reduction elements per stage of the ring
+constexpr int kNarrowMaxPositions = 32;  // positions per GEMM (every block holds all)
+constexpr int kNarrowChunk = 128;        // reduction elements per stage of the ring
 struct NarrowGemm {
   const float* weight;  // [m][red], 16-byte aligned, red % 4 == 0
   const float* cols;    // [red][positions], rows ld_cols apart; 16-byte aligned, positions % 4 == 0
@@ -264,9 +264,9 @@ struct NarrowGemm {
 };
 // Weight rows per block.
 int narrow_gemm_rows();
-// Stages of the kernel's ring that a block's shared memory holds on the current device: 3 or
-// 4, or 0 where it holds fewer (the kernel is not taken there).
-int narrow_gemm_stages();
+// Stages of the kernel's ring that a block's shared memory holds on the current device for a
+// GEMM over `positions`: 3 or 4, or 0 where it holds fewer (the kernel is not taken there).
+int narrow_gemm_stages(int positions);
 void launch_narrow_gemm(const NarrowGemm& g, int stages);
 
 }  // namespace dpa

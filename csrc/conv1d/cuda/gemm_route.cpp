@@ -27,6 +27,18 @@ namespace {
 // (scripts/dev/profile_gemm_route.py --splits times every such GEMM both ways).
 constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth = 128, kSplitFewest = 8;
 
+// narrow_gemm_splits: over 17-32 positions (a block holding 32), the most weight elements the
+// narrow GEMM takes. There it is bound by its multiply-adds, not the weights' bytes, and loses
+// to cuBLAS's SGEMM on large layers. H100, µs per fp32 conv1d_gn_mish over 32 positions,
+// narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 512->512 k5 13.9 /
+// 15.0 / 14.0, 1024->1024 25.0 / 25.8 / 25.0, 2048->512 25.5 / 27.9 / 25.5, but 1024->2048
+// 40.4 / 37.2 / 40.5, 2048->2048 68.8 / 60.3 / 68.5. Such a block takes all of an SM's
+// registers, so a shortcut's GEMM on a side stream takes it only beside another narrow GEMM
+// (beside_cublas): beside cuBLAS's it held that GEMM up (LeRobot's U-Net at horizon 128,
+// batch 1, fp32 DDPM-100 105.6 against 101.9 ms), beside the narrow GEMM it gained (horizon
+// 64: 80.8 against 82.3; 82.4 where a shortcut's never took it).
+constexpr int64_t kNarrowWideMaxWeights = int64_t{1} << 23;
+
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
 // where it split the reduction, else [m, positions].
 GemmResult gemm_result(const at::Tensor& pre) {
@@ -102,13 +114,18 @@ int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
   return splits >= kSplitFewest ? splits : 1;
 }
 
-int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form) {
+int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
+                       bool beside_cublas) {
   if (form != GemmForm::kIm2col || cols.scalar_type() != at::kFloat || !kernel_config().narrow_gemm) return 0;
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  if (props->major < 8 || a.positions > kNarrowPositions) return 0;
+  if (props->major < 8 || a.positions > kNarrowMaxPositions ||
+      (a.positions > 16 && (beside_cublas || static_cast<int64_t>(a.m) * a.red > kNarrowWideMaxWeights))) {
+    return 0;
+  }
   const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   if (a.red % 4 != 0 || a.positions % 4 != 0 || rows.stride(0) != a.red || rows.stride(1) != 1 ||
-      cols.stride(1) != 1 || cols.stride(0) % 4 != 0 || !aligned(rows) || !aligned(cols) || narrow_gemm_stages() == 0) {
+      cols.stride(1) != 1 || cols.stride(0) % 4 != 0 || !aligned(rows) || !aligned(cols) ||
+      narrow_gemm_stages(a.positions) == 0) {
     return 0;
   }
   const int row_tiles = ceil_div(a.m, narrow_gemm_rows()), chunks = ceil_div(a.red, kNarrowChunk);
@@ -116,21 +133,35 @@ int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Te
   return ceil_div(chunks, ceil_div(chunks, wanted));  // none empty
 }
 
+namespace {
+
+// The GEMM's left operand [m, red], the weight read in place.
+at::Tensor gemm_rows(const StreamArgs& a, const at::Tensor& weight, GemmForm form) {
+  switch (form) {
+    case GemmForm::kIm2col: return weight.reshape({a.m, a.red});
+    case GemmForm::kTapRows: return weight.as_strided({a.m, a.red}, {a.red, 1});
+    case GemmForm::kTransposed: return weight.reshape({a.red, a.m}).t();
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown GemmForm");
+}
+
+}  // namespace
+
+bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
+  return narrow_gemm_splits(a, gemm_rows(a, weight, form), cols, form, false) > 0;
+}
+
 // Where taps are rows the result is fp32: an output adds up K of its elements, and each
 // one's rounding to half precision would add an error of its own.
-at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
-  at::Tensor rows;
-  switch (form) {
-    case GemmForm::kIm2col: rows = weight.reshape({a.m, a.red}); break;
-    case GemmForm::kTapRows: rows = weight.as_strided({a.m, a.red}, {a.red, 1}); break;
-    case GemmForm::kTransposed: rows = weight.reshape({a.red, a.m}).t(); break;
-  }
-  if (const int splits = narrow_gemm_splits(a, rows, cols, form); splits > 0) {
+at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form,
+                bool beside_cublas) {
+  const at::Tensor rows = gemm_rows(a, weight, form);
+  if (const int splits = narrow_gemm_splits(a, rows, cols, form, beside_cublas); splits > 0) {
     at::Tensor out = at::empty({splits, a.m, a.positions}, cols.options());
     const NarrowGemm g{rows.data_ptr<float>(), cols.data_ptr<float>(), cols.stride(0), out.data_ptr<float>(),
                        a.m, a.red, a.positions, splits, ceil_div(ceil_div(a.red, kNarrowChunk), splits),
                        kernel_config().weights_evict_first};
-    launch_narrow_gemm(g, narrow_gemm_stages());
+    launch_narrow_gemm(g, narrow_gemm_stages(a.positions));
     return splits > 1 ? out : out.select(0, 0);
   }
   if (const int splits = gemm_splits(a, cols, form); splits > 1) {

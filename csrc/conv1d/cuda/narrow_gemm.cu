@@ -1,21 +1,24 @@
 // The GEMM route's fp32 GEMM over few positions (NarrowGemm, conv_params.h): a batch-1 layer
-// of a long horizon, [C_out, C_in * K] x [C_in * K, up to 16 positions], whose weights are
-// read once and feed only 16 multiply-adds each. cuBLAS's SIMT SGEMM tiles such a GEMM into a
-// few 128 x 32 tiles over long reductions, which even cut into slices (gemm_splits) stream
-// the weights well below the copy bandwidth. Here every block streams 32 weight rows over a
-// slice of the reduction through a cp.async ring, so the bytes in flight are set by shared
-// memory, not registers: LeRobot's 2048 -> 2048 k5 conv over 16 positions (84 MB of weights)
-// took 52 µs against 60 (im2col, GEMM and epilogue; routing.py has the measurements), and
-// one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
+// of a long horizon, or a deep layer of a small batch, [C_out, C_in * K] x [C_in * K, up to 32
+// positions], whose weights are read once and feed only 16 or 32 multiply-adds each. cuBLAS's
+// SIMT SGEMM tiles such a GEMM into a few 128 x 32 tiles over long reductions, which even cut
+// into slices (gemm_splits) stream the weights well below the copy bandwidth. Here every block
+// streams 32 weight rows over a slice of the reduction through a cp.async ring, so the bytes
+// in flight are set by shared memory, not registers: LeRobot's 2048 -> 2048 k5 conv over 16
+// positions (84 MB of weights) took 52 µs against 60 (im2col, GEMM and epilogue; routing.py
+// has the measurements), and one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
+// Over 32 positions it is bound by its multiply-adds and takes smaller layers only
+// (gemm_route.cpp's kNarrowWideMaxWeights).
 //
-// A block: kWarps warps x kRows weight rows, kNarrowPositions positions, split_chunks chunks
-// of kNarrowChunk reduction elements. Each stage of the ring holds a chunk of the columns, staged
-// k-major with rows padded to kPositions + 4 floats, and each warp's kRows x kChunk weights.
-// Lane l owns reduction elements l + 32 j of a chunk: its 16-byte reads of a staged row (4
-// positions) then fall in distinct banks across the warp, and its weights are read back one
-// float at a time (consecutive across lanes). Every staged column value feeds kRows
-// multiply-adds, every weight kNarrowPositions. The lanes' partial sums meet in a transposing
-// butterfly; the splits' partial sums are added by the epilogue, in slice order.
+// A block: kWarps warps x kRows weight rows, all kPositions positions (16, or 32 where the
+// GEMM has more than 16), split_chunks chunks of kNarrowChunk reduction elements. Each stage of
+// the ring holds a chunk of the columns, staged k-major with rows padded to kPositions + 4
+// floats, and each warp's kRows x kChunk weights. Lane l owns reduction elements l + 32 j of a
+// chunk: its 16-byte reads of a staged row (4 positions) then fall in distinct banks across
+// the warp, and its weights are read back one float at a time (consecutive across lanes).
+// Every staged column value feeds kRows multiply-adds, every weight kPositions. The lanes'
+// partial sums meet in a transposing butterfly; the splits' partial sums are added by the
+// epilogue, in slice order.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -27,8 +30,10 @@ namespace dpa {
 
 namespace {
 
-constexpr int kRows = 4;                          // weight rows per warp
-constexpr int kStagedRow = kNarrowPositions + 4;  // floats per staged row: conflict-free reads
+constexpr int kRows = 4;  // weight rows per warp
+
+// Floats per staged row: 16-byte reads of 8 consecutive rows fall in distinct banks.
+constexpr int staged_row(int positions) { return positions + 4; }
 
 // A 16-byte copy into shared memory, zero-filled where `valid` is false (nothing is read then).
 __device__ __forceinline__ void copy16(float* shared, const float* global, bool valid, uint64_t policy) {
@@ -53,14 +58,15 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-template <int kStages>
-__global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGemm g) {
+// Two blocks an SM at 16 positions; at 32 a thread's 128 sums need the registers of one.
+template <int kStages, int kPositions>
+__global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gemm_kernel(const NarrowGemm g) {
+  constexpr int kStagedRow = staged_row(kPositions);
   extern __shared__ float4 shared_f4[];
   float* staged = reinterpret_cast<float*>(shared_f4);          // [kStages][kNarrowChunk][kStagedRow]
   float* ring = staged + kStages * kNarrowChunk * kStagedRow;    // [kStages][kWarps][kRows][kNarrowChunk]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = (blockIdx.x * kWarps + warp) * kRows;
-  const int n0 = blockIdx.z * kNarrowPositions;
   const int first = blockIdx.y * g.split_chunks;
   const int chunks = min(g.split_chunks, (g.red + kNarrowChunk - 1) / kNarrowChunk - first);
   const float* weight = g.weight;
@@ -82,11 +88,11 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGe
   };
   const auto copy_columns = [&](int stage, int chunk) {
     if (chunk >= chunks) return;
-    constexpr int kQuads = kNarrowPositions / 4;
+    constexpr int kQuads = kPositions / 4;
 #pragma unroll
     for (int i = threadIdx.x; i < kNarrowChunk * kQuads; i += kThreads) {
       const int kk = i / kQuads, q = i % kQuads;
-      const int k = (first + chunk) * kNarrowChunk + kk, n = n0 + 4 * q;
+      const int k = (first + chunk) * kNarrowChunk + kk, n = 4 * q;
       const bool valid = k < g.red && n < g.positions;
       copy16(staged + (stage * kNarrowChunk + kk) * kStagedRow + 4 * q,
              valid ? g.cols + static_cast<int64_t>(k) * g.ld_cols + n : g.cols, valid, normal);
@@ -109,9 +115,9 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGe
     commit_copies();
   }
 
-  float acc[kRows * kNarrowPositions];
+  float acc[kRows * kPositions];
 #pragma unroll
-  for (int i = 0; i < kRows * kNarrowPositions; ++i) acc[i] = 0.f;
+  for (int i = 0; i < kRows * kPositions; ++i) acc[i] = 0.f;
   int stage = 0;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     wait_copies<kStages - 2>();
@@ -129,11 +135,11 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGe
       for (int r = 0; r < kRows; ++r) w[r] = weights[r * kNarrowChunk + k];
       const float* x = staged + (stage * kNarrowChunk + k) * kStagedRow;
 #pragma unroll
-      for (int q = 0; q < kNarrowPositions / 4; ++q) {
+      for (int q = 0; q < kPositions / 4; ++q) {
         const float4 xv = *reinterpret_cast<const float4*>(x + 4 * q);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          float* a = acc + r * kNarrowPositions + 4 * q;
+          float* a = acc + r * kPositions + 4 * q;
           a[0] = fmaf(w[r], xv.x, a[0]);
           a[1] = fmaf(w[r], xv.y, a[1]);
           a[2] = fmaf(w[r], xv.z, a[2]);
@@ -145,40 +151,47 @@ __global__ void __launch_bounds__(kThreads, 2) narrow_gemm_kernel(const NarrowGe
   }
 
   int base = 0;
-  transpose_reduce<kRows * kNarrowPositions, 16>(acc, lane, base);
-  constexpr int kOwned = kRows * kNarrowPositions / 32;
+  transpose_reduce<kRows * kPositions, 16>(acc, lane, base);
+  constexpr int kOwned = kRows * kPositions / 32;
   static_assert(kOwned >= 1, "a lane owns whole sums");
 #pragma unroll
   for (int j = 0; j < kOwned; ++j) {
-    const int row = row0 + (base + j) / kNarrowPositions, n = n0 + (base + j) % kNarrowPositions;
+    const int row = row0 + (base + j) / kPositions, n = (base + j) % kPositions;
     if (row < g.m && n < g.positions) {
       g.out[(static_cast<int64_t>(blockIdx.y) * g.m + row) * g.positions + n] = acc[j];
     }
   }
 }
 
-size_t stage_bytes() {
-  return static_cast<size_t>(kNarrowChunk) * (kStagedRow + kWarps * kRows) * sizeof(float);
+// The block's positions for a GEMM over `positions` (at most kNarrowMaxPositions).
+int block_positions(int positions) { return positions <= 16 ? 16 : kNarrowMaxPositions; }
+
+size_t stage_bytes(int block_positions) {
+  return static_cast<size_t>(kNarrowChunk) * (staged_row(block_positions) + kWarps * kRows) * sizeof(float);
 }
 
 }  // namespace
 
 int narrow_gemm_rows() { return kWarps * kRows; }
 
-int narrow_gemm_stages() {
+int narrow_gemm_stages(int positions) {
   // The most stages up to 4 (3 in flight while one is read) that a block's shared memory
   // holds; fewer than 3 would leave no copy in flight behind the one awaited.
-  const int most = static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin / stage_bytes());
+  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  const int most = static_cast<int>(optin / stage_bytes(block_positions(positions)));
   return std::min(most, 4) >= 3 ? std::min(most, 4) : 0;
 }
 
 void launch_narrow_gemm(const NarrowGemm& g, int stages) {
   TORCH_INTERNAL_ASSERT(stages == 3 || stages == 4, "narrow_gemm: 3 or 4 stages, got ", stages);
-  const auto kernel = stages == 4 ? narrow_gemm_kernel<4> : narrow_gemm_kernel<3>;
-  const size_t bytes = stages * stage_bytes();
+  TORCH_INTERNAL_ASSERT(g.positions >= 1 && g.positions <= kNarrowMaxPositions, "narrow_gemm: 1 to ",
+                        kNarrowMaxPositions, " positions, got ", g.positions);
+  const int width = block_positions(g.positions);
+  const auto kernel = width == 16 ? (stages == 4 ? narrow_gemm_kernel<4, 16> : narrow_gemm_kernel<3, 16>)
+                                  : (stages == 4 ? narrow_gemm_kernel<4, 32> : narrow_gemm_kernel<3, 32>);
+  const size_t bytes = stages * stage_bytes(width);
   set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
-  LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits, ceil_div(g.positions, kNarrowPositions)),
-                      dim3(kThreads), bytes);
+  LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits), dim3(kThreads), bytes);
   launch.programmatic_dependent();
   C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, g));
 }
