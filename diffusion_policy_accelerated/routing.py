@@ -115,8 +115,9 @@ class KernelConfig:
     # 99.14 / 101.58, 128 113.91 / 108.99 / 114.17.
     fp32_gemm_max_splits: int = 32
     # fp32 convs on the GEMM route (im2col form) over up to 32 positions (a batch-1 layer of a
-    # long horizon, a deep layer of a small batch): the package's own GEMM (csrc/conv1d/cuda/narrow_gemm.cu), which streams
-    # the weights through a shared-memory ring, instead of cuBLAS's SIMT SGEMM cut into slices.
+    # long horizon, a deep layer of a small batch): the package's own GEMM
+    # (csrc/conv1d/cuda/narrow_gemm.cu), which streams the weights through a shared-memory
+    # ring, instead of cuBLAS's SIMT SGEMM cut into slices.
     # H100, µs per fp32 conv1d_gn_mish of LeRobot's U-Net at batch 1 (im2col, GEMM, epilogue),
     # narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 2048->2048 k5 52.0
     # / 60.2 / 51.9, 4096->1024 51.4 / 62.4 / 50.9, 1024->1024 20.4 / 25.1 / 20.3 (horizon
@@ -333,7 +334,8 @@ def _narrow_gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, dev
         return 0
     props = torch.cuda.get_device_properties(device)
     if (props.major < 8 or reduction % 4 or positions % 4
-            or props.shared_memory_per_block_optin < 3 * _narrow_stage_bytes(positions)):
+            or props.shared_memory_per_block_optin
+            < (3 if positions <= 16 else 4) * _narrow_stage_bytes(positions)):
         return 0
     sms = min(props.multi_processor_count, config.sm_count) if config.sm_count else props.multi_processor_count
     row_tiles, chunks = -(-conv.out_channels // _NARROW_ROWS), -(-reduction // _NARROW_CHUNK)

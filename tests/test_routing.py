@@ -222,19 +222,6 @@ def test_explain_names_every_conv_and_its_route():
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
-    # The 1024-channel layers over 32 positions (every conv over 32+ positions takes the GEMM
-    # route) are the narrow GEMM's as well, a block holding all 32.
-    # A shortcut's GEMM over 32 positions, on a side stream, takes it only beside its first
-    # conv's narrow GEMM: at horizon 64 (2048 -> 512), not at 128 (4096 -> 1024, whose k5 conv
-    # is more than 2^23 weight elements and cuBLAS's).
-    with torch.device("meta"):
-        h128 = {r.module: r for r in explain(lerobot, 1, 128, dtype=torch.float32, device="cuda")}
-    if 128 <= sms < 160:
-        for routes, module in ((wide, "down_modules.1.1.blocks.0.block.0"), (wide, "up_modules.1.0.blocks.0.block.0"),
-                               (wide, "up_modules.1.0.residual_conv")):
-            assert routes[module].route.startswith("GEMM, narrow GEMM"), routes[module]
-    for module in ("up_modules.0.0.blocks.0.block.0", "up_modules.0.0.residual_conv"):
-        assert "narrow" not in h128[module].route, h128[module]
     # The upsampling conv over 16 positions (1024 x 1024 x 4 x 16): the GEMM route by
     # transposed_gemm_min_work, in both precisions; the horizon-16 U-Nets' (at most 8) stream.
     for routes in (wide, deep):
@@ -371,3 +358,44 @@ def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, spl
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device=None, o=older: type("Properties", (), {**props, **o}))
         assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == 0
+
+
+def stand_in_gpu(monkeypatch, optin_kb=227, sms=132):
+    """An H100-like GPU of `sms` SMs and `optin_kb` KB of opt-in shared memory a block, for the
+    routing mirrors (no GPU is needed)."""
+    props = dict(major=9, multi_processor_count=sms, shared_memory_per_block_optin=optin_kb << 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
+
+
+def test_narrow_gemm_over_32_positions(monkeypatch):
+    """17-32 positions (a block holding 32): up to 2^23 weight elements, 4 stages of shared
+    memory (not 99 KB's 3), and not beside a cuBLAS GEMM on another stream; 16 positions are
+    unaffected by either. explain() shows it on LeRobot's U-Net: at horizon 64 the 32-position
+    layers and the shortcut beside the narrow 2048 -> 512 conv; at horizon 128 not the shortcut
+    beside the 4096 -> 1024 conv, whose 21M weight elements are cuBLAS's."""
+    stand_in_gpu(monkeypatch)
+    cuda, config = torch.device("cuda"), KernelConfig()
+
+    def splits(cout, cin, k, positions, beside_cublas=False):
+        conv = torch.nn.Conv1d(cin, cout, k, device="meta")
+        return routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config, beside_cublas)
+
+    assert splits(2048, 1024, 4, 32) == 2  # 2^23 weight elements: taken
+    assert splits(2048, 1028, 4, 32) == 0  # more
+    assert splits(1024, 1024, 5, 32, beside_cublas=True) == 0
+    assert splits(1024, 1024, 5, 16, beside_cublas=True) == splits(1024, 1024, 5, 16) == 4
+    stand_in_gpu(monkeypatch, optin_kb=99)  # sm_86 / sm_89
+    assert splits(1024, 1024, 5, 16) == 4 and splits(1024, 1024, 5, 20) == splits(1024, 1024, 5, 32) == 0
+    stand_in_gpu(monkeypatch)
+    from diffusion_policy_accelerated.configs import UNETS
+    with torch.device("meta"):
+        lerobot = ConditionalUnet1D(**UNETS["lerobot"])
+        h64, h128 = ({r.module: r for r in explain(lerobot, 1, horizon, dtype=torch.float32, device="cuda")}
+                     for horizon in (64, 128))
+    for module in ("down_modules.1.1.blocks.0.block.0", "up_modules.1.0.blocks.0.block.0",
+                   "up_modules.1.0.residual_conv"):
+        assert h64[module].route.startswith("GEMM, narrow GEMM"), h64[module]
+    for module in ("up_modules.0.0.blocks.0.block.0", "up_modules.0.0.residual_conv"):
+        assert h128[module].route.startswith("GEMM") and "narrow" not in h128[module].route, h128[module]
+    assert h128["up_modules.0.1.blocks.0.block.0"].route.startswith("GEMM, narrow GEMM")

@@ -128,18 +128,20 @@ def main():
                                                  2, 1e-5, None, None, counters=counters)
                         assert torch.isfinite(out).all()
     # fp32 GEMMs over few positions on that route (narrow_gemm.cu): rows, reduction and
-    # positions partly masked, two batch rows, a shortcut reading every fifth row of its conv's
-    # columns (the centre tap's).
+    # positions partly masked (also in a block of 32 positions), two batch rows, a shortcut
+    # reading every fifth row of its conv's columns (the centre tap's), over 16 and 32 positions.
     with kernel_config(gemm_min_positions=1):
-        for batch, cin, cout, length, k, groups in [(1, 100, 40, 12, 5, 4), (2, 1024, 96, 8, 5, 8)]:
+        for batch, cin, cout, length, k, groups in [(1, 100, 40, 12, 5, 4), (2, 1024, 96, 8, 5, 8),
+                                                    (1, 100, 40, 20, 5, 4), (1, 1024, 96, 32, 5, 8)]:
             x = torch.randn(batch, cin, length, device="cuda")
             w = torch.randn(cout, cin, k, device="cuda") / (cin * k) ** 0.5
             assert torch.isfinite(ops.conv1d_gn_mish(x, w, None, None, None, groups, counters=counters)).all()
-        x = torch.randn(1, 1024, 16, device="cuda")
-        outs = ops.conv1d_gn_mish_shortcut(x, torch.randn(256, 1024, 5, device="cuda") / 72, None, None, None, 8,
-                                           1e-5, torch.randn(256, 1024, 1, device="cuda") / 32, None,
-                                           counters=counters)
-        assert all(torch.isfinite(out).all() for out in outs)
+        for length in (16, 32):
+            x = torch.randn(1, 1024, length, device="cuda")
+            outs = ops.conv1d_gn_mish_shortcut(x, torch.randn(256, 1024, 5, device="cuda") / 72, None, None, None, 8,
+                                               1e-5, torch.randn(256, 1024, 1, device="cuda") / 32, None,
+                                               counters=counters)
+            assert all(torch.isfinite(out).all() for out in outs)
         with kernel_config(sm_count=1):  # one slice of 40 chunks: the ring refilled throughout
             x = torch.randn(1, 1024, 16, device="cuda")
             assert torch.isfinite(ops.conv1d_gn_mish(x, torch.randn(96, 1024, 5, device="cuda") / 72, None, None,

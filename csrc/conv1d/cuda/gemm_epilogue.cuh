@@ -19,16 +19,17 @@ namespace dpa {
 
 namespace cg = cooperative_groups;
 
-// The GEMM route's own kernels (im2col and the epilogues) are launched as programmatic
-// dependents (launch_dependent), and wait for the kernel before them before they read or write
-// anything a kernel may touch: where that one is a cuBLAS GEMM its blocks' exits stand in for
-// its trigger, so an epilogue is resident as the GEMM ends. Every block waits first, before
-// any early exit: a kernel's completion then implies its producer's, which the next kernel's
-// wait relies on. The epilogues also let the next kernel launch at once (start_as_dependent);
-// im2col does not: the narrow GEMM after it plans one block an SM, and launched early it
-// finds SMs taken by waiting blocks. H100, LeRobot's U-Net at horizon 64, batch 1, fp32 ms per
-// DDPM-100 action: 86.4 before, 82.1 so, 83.7 with neither triggering early, 97.6 with
-// im2col triggering too (docs/tried.md has batch 8).
+// The GEMM route's own kernels (im2col and the epilogues; not the cooperative one) are
+// launched as programmatic dependents (launch_dependent, or the cluster epilogue's own launch)
+// and wait for the kernel before them before they read or write anything a kernel may touch:
+// where that one is a cuBLAS GEMM its blocks' exits stand in for its trigger, so an epilogue
+// is resident as the GEMM ends. Every block waits first, before any early exit: a kernel's
+// completion then implies its producer's, which the next kernel's wait relies on. The
+// epilogues also let the next kernel launch at once (start_as_dependent); im2col does not: the
+// narrow GEMM after it plans one block an SM, and launched early it finds SMs taken by waiting
+// blocks. H100, LeRobot's U-Net at horizon 64, batch 1, fp32 ms per DDPM-100 action: 86.4
+// before, 82.1 so, 83.7 with neither triggering early, 97.6 with im2col triggering too
+// (docs/tried.md has batch 8).
 __device__ __forceinline__ void start_as_dependent() {
   allow_dependents();
   wait_for_producer();
@@ -607,8 +608,8 @@ template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form) {
   const int64_t outputs = static_cast<int64_t>(a.batch) * a.cout * a.lout;
   const int blocks = static_cast<int>((outputs + kThreads - 1) / kThreads);
-  launch_dependent(dim3(blocks), form == GemmForm::kIm2col ? conv_epilogue_kernel<T, T> : conv_epilogue_kernel<T, float>,
-                   a, pre, form);
+  const auto kernel = form == GemmForm::kIm2col ? conv_epilogue_kernel<T, T> : conv_epilogue_kernel<T, float>;
+  launch_dependent(dim3(blocks), kernel, a, pre, form);
 }
 
 // The GEMM route's kernels of dtype T, in one translation unit.

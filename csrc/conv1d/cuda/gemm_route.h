@@ -68,9 +68,9 @@ int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
 // The slices of its reduction that narrow_gemm.cu cuts an fp32 conv's im2col GEMM into, or 0
 // where cuBLAS runs it: KernelConfig.narrow_gemm, up to 32 positions (one block's), 16-byte
 // aligned rows, a GPU since Ampere; as many slices as put one block on each SM. Over 16
-// positions a block takes all of an SM's registers, and the kernel only GEMMs of up to 2^23
-// weight elements that do not run beside a cuBLAS GEMM on another stream (`beside_cublas`;
-// SideBranch).
+// positions a block takes all of an SM's registers, and the kernel takes only GEMMs of up to
+// 2^23 weight elements that do not run concurrently with a cuBLAS GEMM on another stream
+// (`beside_cublas`; SideBranch).
 int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
                        bool beside_cublas);
 // Whether gemm() runs this GEMM (alone) on narrow_gemm.cu's kernel.
@@ -81,7 +81,8 @@ bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, const at::
 // torch.backends.cuda.matmul.allow_tf32, off by default): the [m, positions] result without
 // the bias, which the epilogue adds, or [splits, m, positions] partial sums.
 // The weight is read in place (a transposed conv's [C_in, C_out * K] as the transposed
-// operand). `beside_cublas`: it runs on a side stream beside a cuBLAS GEMM (narrow_gemm_splits).
+// operand). `beside_cublas`: it runs concurrently with a cuBLAS GEMM on another stream
+// (narrow_gemm_splits).
 at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form,
                 bool beside_cublas = false);
 at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form);

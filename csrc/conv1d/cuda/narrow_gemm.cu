@@ -8,7 +8,8 @@
 // positions (84 MB of weights) took 52 µs against 60 (im2col, GEMM and epilogue; routing.py
 // has the measurements), and one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
 // Over 32 positions it is bound by its multiply-adds and takes smaller layers only
-// (gemm_route.cpp's kNarrowWideMaxWeights).
+// (gemm_route.cpp's kNarrowWideMaxWeights), with 4 stages (139 KB of shared memory: A100,
+// H100; not sm_86/89's 99 KB).
 //
 // A block: kWarps warps x kRows weight rows, all kPositions positions (16, or 32 where the
 // GEMM has more than 16), split_chunks chunks of kNarrowChunk reduction elements. Each stage of
@@ -99,9 +100,10 @@ __global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gem
     }
   };
 
-  // The weights' first stages are requested before the previous kernel (im2col) has ended;
-  // the columns after. One group of copies per stage and kind here, one per stage below:
-  // waiting for all but kStages - 2 groups finds stage c's columns (and weights) landed.
+  // The weights' first stages are requested before waiting for the previous kernel (im2col,
+  // which lets this one launch only as it ends: gemm_epilogue.cuh), the columns after. One
+  // group of copies per stage and kind here, one per stage below: waiting for all but
+  // kStages - 2 groups finds stage c's columns (and weights) landed.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     copy_weights(s, s);
@@ -176,19 +178,22 @@ int narrow_gemm_rows() { return kWarps * kRows; }
 
 int narrow_gemm_stages(int positions) {
   // The most stages up to 4 (3 in flight while one is read) that a block's shared memory
-  // holds; fewer than 3 would leave no copy in flight behind the one awaited.
+  // holds; fewer than 3 would leave no copy in flight behind the one awaited. A block of 32
+  // positions takes 4 (the one width measured; the only one on the GPUs that hold 3).
   const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  const int most = static_cast<int>(optin / stage_bytes(block_positions(positions)));
-  return std::min(most, 4) >= 3 ? std::min(most, 4) : 0;
+  const int width = block_positions(positions), most = std::min(static_cast<int>(optin / stage_bytes(width)), 4);
+  return most >= (width == 16 ? 3 : 4) ? most : 0;
 }
 
 void launch_narrow_gemm(const NarrowGemm& g, int stages) {
-  TORCH_INTERNAL_ASSERT(stages == 3 || stages == 4, "narrow_gemm: 3 or 4 stages, got ", stages);
-  TORCH_INTERNAL_ASSERT(g.positions >= 1 && g.positions <= kNarrowMaxPositions, "narrow_gemm: 1 to ",
-                        kNarrowMaxPositions, " positions, got ", g.positions);
   const int width = block_positions(g.positions);
+  TORCH_INTERNAL_ASSERT(stages == 4 || (stages == 3 && width == 16), "narrow_gemm: 4 stages, or 3 at 16 positions");
+  // The 16-byte column copies read whole quads of positions.
+  TORCH_INTERNAL_ASSERT(g.positions >= 1 && g.positions <= kNarrowMaxPositions && g.positions % 4 == 0 &&
+                            g.ld_cols % 4 == 0,
+                        "narrow_gemm: a multiple of 4 positions up to ", kNarrowMaxPositions, ", got ", g.positions);
   const auto kernel = width == 16 ? (stages == 4 ? narrow_gemm_kernel<4, 16> : narrow_gemm_kernel<3, 16>)
-                                  : (stages == 4 ? narrow_gemm_kernel<4, 32> : narrow_gemm_kernel<3, 32>);
+                                  : narrow_gemm_kernel<4, 32>;
   const size_t bytes = stages * stage_bytes(width);
   set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
   LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits), dim3(kThreads), bytes);
