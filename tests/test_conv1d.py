@@ -127,11 +127,13 @@ def test_every_cpu_route_transposed(route, dtype):
 
 
 # The weight-streaming GEMM's edges (csrc/conv1d/cpu/stream_gemm_cpu.cpp): rows not a multiple
-# of its 4-row blocks, reductions not a multiple of its vectors (15, 100, 495), 1 to 33
-# positions (blocks of 4 partly or wholly past the last), a 1x1 conv.
+# of its 4-row blocks, reductions not a multiple of its vectors (15, 100, 495; 65, odd, and 32
+# for the 32 bf16 of a dot-product step), 1 to 33 positions (blocks of 4 partly or wholly past
+# the last), a 1x1 conv.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cout,cin,k,batch,length", [(5, 3, 5, 1, 1), (7, 20, 5, 3, 5), (130, 99, 5, 2, 7),
-                                                     (4, 16, 1, 1, 16), (9, 20, 5, 1, 33)], ids=str)
+                                                     (4, 16, 1, 1, 16), (9, 20, 5, 1, 33), (6, 13, 5, 1, 9),
+                                                     (6, 32, 1, 2, 3)], ids=str)
 def test_stream_route_edges(cout, cin, k, batch, length, dtype):
     g = torch.Generator().manual_seed(cout)
     x = torch.randn(batch, cin, length, generator=g).to(dtype)

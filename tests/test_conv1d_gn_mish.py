@@ -581,12 +581,13 @@ def test_mish_over_its_whole_range(device, dtype, length):
                                rtol=TOLERANCES[dtype]["rtol"])
 
 
-@pytest.mark.parametrize("lanes", [4, 8, 16])
+@pytest.mark.parametrize("lanes", [4, 8, 16, None], ids=["4", "8", "16", "widest"])
 def test_cpu_kernels_at_every_vector_width(lanes):
     """The CPU epilogue is compiled for 4 (SSE2, NEON), 8 (AVX2) and 16 (AVX-512) lanes, the
-    weight-streaming GEMM (both forms) for 4 and 16, and each runs the widest the CPU has;
-    DPA_CPU_VECTOR_LANES narrows it, so that this CPU checks the widths other CPUs take (a width
-    it lacks falls back to a narrower one)."""
+    weight-streaming GEMM (both forms) for 4 and 16 and, in bf16, for AVX-512's bf16 dot
+    product, and each runs the widest the CPU has; DPA_CPU_VECTOR_LANES narrows it (16: AVX-512
+    without the dot product), so that this CPU checks the widths other CPUs take (a width it
+    lacks falls back to a narrower one)."""
     code = textwrap.dedent("""
         import itertools
         import torch
@@ -611,10 +612,39 @@ def test_cpu_kernels_at_every_vector_width(lanes):
                     for dtype in (torch.float32, torch.bfloat16):
                         test_conv1d.check(shape, dtype, "cpu")
     """)
-    env = dict(os.environ, DPA_CPU_VECTOR_LANES=str(lanes))
-    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent,
+    result = subprocess.run([sys.executable, "-c", code], env=lanes_env(lanes), cwd=Path(__file__).parent,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def lanes_env(lanes):
+    """The environment with DPA_CPU_VECTOR_LANES set to `lanes` (None: unset, the widest)."""
+    env = {k: v for k, v in os.environ.items() if k != "DPA_CPU_VECTOR_LANES"}
+    return env if lanes is None else dict(env, DPA_CPU_VECTOR_LANES=str(lanes))
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or " avx512_bf16" not in Path("/proc/cpuinfo").read_text(),
+                    reason="needs a CPU with AVX-512's bf16 dot product")
+def test_cpu_bf16_dot_product_runs():
+    """On a CPU with vdpbf16ps a bf16 conv on the streaming GEMM takes the dot-product kernel:
+    its bits differ from the AVX-512 kernel's (DPA_CPU_VECTOR_LANES=16), which sums the same
+    exact products in another order; both are checked against float64 above."""
+    code = textwrap.dedent("""
+        import hashlib
+        import torch
+        from diffusion_policy_accelerated import ops
+        from diffusion_policy_accelerated.routing import kernel_config
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(1, 512, 16, generator=g).to(torch.bfloat16)
+        w = (torch.randn(256, 512, 5, generator=g) / 50).to(torch.bfloat16)
+        with kernel_config(cpu_conv="stream"):
+            out = ops.conv1d(x, w, None, 1, 2, transposed=False)
+        print(hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest())
+    """)
+    digests = [subprocess.run([sys.executable, "-c", code], env=lanes_env(lanes), cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=300, check=True).stdout.strip()
+               for lanes in (16, None)]
+    assert digests[0] != digests[1], "the bf16 dot-product kernel gave the AVX-512 kernel's bits: it did not run"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

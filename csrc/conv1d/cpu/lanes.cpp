@@ -19,5 +19,19 @@ int widest_lanes() {
   return lanes;
 }
 
+bool bf16_dot_product() {
+  static const bool has = [] {
+    const char* asked = std::getenv("DPA_CPU_VECTOR_LANES");
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return (!asked || std::atoi(asked) > 16) && widest_lanes() >= 16 && __builtin_cpu_supports("avx512bf16");
+#else
+    (void)asked;
+    return false;
+#endif
+  }();
+  return has;
+}
+
 }  // namespace cpu
 }  // namespace dpa

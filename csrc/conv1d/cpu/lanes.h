@@ -52,5 +52,10 @@ DPA_INLINE void store(float* p, typename Lanes<W>::F v) {
 // other CPUs take, for tests on this one). Read once.
 int widest_lanes();
 
+// Whether bfloat16 GEMMs multiply pairs of bfloat16 into fp32 sums (AVX-512's vdpbf16ps: Zen 4,
+// Sapphire Rapids, Cooper Lake), where the CPU has it and DPA_CPU_VECTOR_LANES does not ask
+// for 16 lanes or fewer (16: AVX-512 without it, what other AVX-512 CPUs take). Read once.
+bool bf16_dot_product();
+
 }  // namespace cpu
 }  // namespace dpa
