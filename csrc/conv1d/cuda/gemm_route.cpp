@@ -33,10 +33,11 @@ constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth =
 // narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 512->512 k5 13.9 /
 // 15.0 / 14.0, 1024->1024 25.0 / 25.8 / 25.0, 2048->512 25.5 / 27.9 / 25.5, but 1024->2048
 // 40.4 / 37.2 / 40.5, 2048->2048 68.8 / 60.3 / 68.5. Such a block takes all of an SM's
-// registers, so a shortcut's GEMM on a side stream takes it only beside another narrow GEMM
-// (beside_cublas): beside cuBLAS's it held that GEMM up (LeRobot's U-Net at horizon 128,
-// batch 1, fp32 DDPM-100 105.6 against 101.9 ms), beside the narrow GEMM it gained (horizon
-// 64: 80.8 against 82.3; 82.4 where a shortcut's never took it).
+// registers, so a GEMM running beside a cuBLAS GEMM on the other stream (beside_cublas: a
+// shortcut's beside its block's first conv, or the reverse) does not take it. A shortcut's
+// beside cuBLAS's held that GEMM up (LeRobot's U-Net at horizon 128, batch 1, fp32 DDPM-100
+// 105.6 against 101.9 ms); beside the first conv's narrow GEMM it gained (horizon 64: 80.8
+// against 82.3; 82.4 where a shortcut's never took it).
 constexpr int64_t kNarrowWideMaxWeights = int64_t{1} << 23;
 
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
