@@ -15,6 +15,9 @@
 
 #include "common/kernel_config.h"
 #ifdef DPA_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/launch.h"
 #include "conv1d/cuda/streaming.h"
 #endif
 
@@ -103,5 +106,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(conv1d/cuda/streaming.h).");
   m.def("stop_launch_trace", &dpa::stop_launch_trace,
         "Stops tracing launches; returns the blocks (rows) of each launch traced.");
+  m.def("hopper_launches", [](int64_t device) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    return dpa::hopper_launches();
+  }, "Whether the ops may launch with Hopper's clusters and programmatic dependent launch on "
+     "this CUDA device: a Hopper or newer GPU and kernels compiled for it (common/launch.h).");
 #endif
 }

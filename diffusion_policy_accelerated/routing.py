@@ -268,12 +268,29 @@ def _min_work(conv: nn.Module, config: KernelConfig) -> Tuple[str, int]:
 def portable_launches(config: Optional[KernelConfig] = None, device: Optional[torch.device] = None) -> bool:
     """Whether the CUDA ops launch without Hopper's clusters and programmatic dependent launch:
     `device` (default: the current CUDA device; the ops ask their input's) is older than
-    Hopper, or `config` (default: the calling thread's) turns both off. Without a GPU here, as
+    Hopper, the loaded library's kernels were built without Hopper code (an arch list without
+    9.0), or `config` (default: the calling thread's) turns both off. Without a GPU here, as
     on Hopper."""
     config = config or current_kernel_config()
     if not (config.clusters or config.pdl):
         return True
-    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] < 9
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return True
+    index = torch.device(device).index if device is not None else None
+    return not _library_has_hopper_code(torch.cuda.current_device() if index is None else index)
+
+
+def _library_has_hopper_code(index: int) -> bool:
+    """Whether the loaded library's kernels carry Hopper code for CUDA device `index`
+    (csrc/common/cuda/hopper_code.cu); True where that cannot be asked: no such device here,
+    or no CUDA build."""
+    if index >= torch.cuda.device_count():
+        return True
+    from . import ops  # loads the library, as any op on this GPU would
+
+    return not ops.built_with_cuda() or bool(ops._C.hopper_launches(index))
 
 
 def _gemm_by_size(conv: nn.Module, positions: int, dtype: torch.dtype, config: KernelConfig,

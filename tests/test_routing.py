@@ -288,6 +288,7 @@ def test_portable_launches_asks_the_inputs_device(monkeypatch):
     stand-ins: this machine has at most one kind of GPU."""
     capability = {0: (9, 0), 1: (8, 6)}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(routing, "_library_has_hopper_code", lambda index: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device=None: capability[torch.device(device or "cuda:0").index or 0])
     assert not routing.portable_launches(device=torch.device("cuda:0"))
@@ -399,3 +400,15 @@ def test_narrow_gemm_over_32_positions(monkeypatch):
     for module in ("up_modules.0.0.blocks.0.block.0", "up_modules.0.0.residual_conv"):
         assert h128[module].route.startswith("GEMM") and "narrow" not in h128[module].route, h128[module]
     assert h128["up_modules.0.1.blocks.0.block.0"].route.startswith("GEMM, narrow GEMM")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hopper_launches_need_hopper_code():
+    """The ops take Hopper's clusters and programmatic dependent launch only on a Hopper or
+    newer GPU whose kernels carry Hopper code (common/cuda/hopper_code.cu reads the library's
+    PTX version): built with 9.0 in the arch list, as by default, on a Hopper GPU they do, and
+    portable_launches says the same; on older GPUs they never do."""
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert ops._C.hopper_launches(torch.cuda.current_device()) == hopper
+    assert routing.portable_launches(KernelConfig()) == (not hopper)
+    assert routing.portable_launches(KernelConfig(clusters=False, pdl=False))

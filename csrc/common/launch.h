@@ -33,6 +33,16 @@ __device__ __forceinline__ void allow_dependents() {
 }
 #endif
 
+// Whether the library's kernels were compiled with Hopper code (compute_90 or newer) for the
+// current GPU (common/cuda/hopper_code.cu). Asked once a device.
+bool hopper_code();
+
+// Whether launches may use Hopper's programmatic dependent launch and thread-block clusters: a
+// Hopper or newer GPU, and kernels compiled for it (hopper_code); else the portable launches.
+inline bool hopper_launches() {
+  return at::cuda::getCurrentDeviceProperties()->major >= 9 && hopper_code();
+}
+
 // SMs the launch plans fill: KernelConfig.sm_count where set (at most the device's), else
 // the device's. The planners read this, never multiProcessorCount.
 inline int sm_budget() {
@@ -65,7 +75,7 @@ class LaunchConfig {
   // As a programmatic dependent of the previous kernel, where the GPU has it and the kernel
   // configuration allows it.
   void programmatic_dependent() {
-    if (!kernel_config().pdl || at::cuda::getCurrentDeviceProperties()->major < 9) return;
+    if (!kernel_config().pdl || !hopper_launches()) return;
     cudaLaunchAttribute& attribute = next();
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;

@@ -56,7 +56,7 @@ bool taps_major(const at::Tensor& weight) {
 
 bool portable_launches() {
   const KernelConfig& config = kernel_config();
-  return !(config.clusters || config.pdl) || at::cuda::getCurrentDeviceProperties()->major < 9;
+  return !(config.clusters || config.pdl) || !hopper_launches();
 }
 
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed) {
@@ -220,8 +220,7 @@ void launch_group_norm_epilogue(const StreamArgs& a, at::ScalarType dtype, const
     slices.slices = static_cast<int>(ceil_div(count, slices.slice_len));  // none empty
     // Clusters only where they are all resident at once, as the cooperative launch's blocks
     // are: LeRobot's U-Net at horizon 128, batch 8 (64 clusters of 8) took 4% longer in bf16.
-    if (kernel_config().clusters && at::cuda::getCurrentDeviceProperties()->major >= 9 &&
-        slices.slices <= kMaxClusterBlocks) {
+    if (kernel_config().clusters && hopper_launches() && slices.slices <= kMaxClusterBlocks) {
       DPA_DISPATCH_FLOAT_TYPES(dtype, "conv1d_gn_mish", [&] {
         slices.cluster = group_slices_cluster_fit<scalar_t>(a, form, slices.slices, static_cast<int>(units));
       });

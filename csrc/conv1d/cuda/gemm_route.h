@@ -32,7 +32,8 @@ bool taps_major(const at::Tensor& weight);
 bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed = false);
 
 // Whether no launch uses Hopper's clusters or programmatic dependent launch: a GPU before
-// Hopper, or the kernel configuration turning both off (routing.portable_launches).
+// Hopper, kernels built without Hopper code (hopper_launches), or the kernel configuration
+// turning both off (routing.portable_launches).
 bool portable_launches();
 
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's

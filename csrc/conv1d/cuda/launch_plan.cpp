@@ -204,9 +204,10 @@ void adopt(StreamArgs& a, const ClusterShape& shape) {
 }
 
 // Whether a streaming conv may run as thread-block clusters at all: one position tile (the
-// kernels stage every position at once), the kernel configuration's `clusters`, a Hopper GPU.
+// kernels stage every position at once), the kernel configuration's `clusters`, a Hopper GPU
+// and kernels compiled for it (hopper_launches).
 bool clusters_usable(const StreamArgs& a) {
-  return a.n_tiles == 1 && kernel_config().clusters && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  return a.n_tiles == 1 && kernel_config().clusters && hopper_launches();
 }
 
 // A GroupNorm conv's cluster shape, if it has one: a group's row tiles times as many
