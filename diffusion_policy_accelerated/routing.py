@@ -340,9 +340,9 @@ def _narrow_gemm_splits(conv: nn.Module, positions: int, dtype: torch.dtype, dev
                         config: KernelConfig, beside_cublas: bool = False) -> int:
     """The slices of its reduction narrow_gemm.cu cuts an im2col GEMM of `conv` into, or 0
     where cuBLAS runs it (gemm_route.h's narrow_gemm_splits): fp32, no transposed conv, up to
-    32 positions (over 16, up to 2^23 weight elements and not `beside_cublas`: on a side stream
-    beside a cuBLAS GEMM), on a GPU known here; the tensors are taken as aligned, as the
-    model's are."""
+    32 positions (over 16, up to 2^23 weight elements and not `beside_cublas`: running
+    concurrently with a cuBLAS GEMM on another stream), on a GPU known here; the tensors are
+    taken as aligned, as the model's are."""
     if (dtype != torch.float32 or isinstance(conv, nn.ConvTranspose1d) or not config.narrow_gemm
             or positions > _NARROW_MAX_POSITIONS or not torch.cuda.is_available()):
         return 0
