@@ -36,6 +36,7 @@ kernel configuration is read when an op launches and when a CUDA graph captures 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import threading
 from typing import Iterator, List, NamedTuple, Optional, Tuple
 
@@ -282,10 +283,11 @@ def portable_launches(config: Optional[KernelConfig] = None, device: Optional[to
     return not _library_has_hopper_code(torch.cuda.current_device() if index is None else index)
 
 
+@functools.lru_cache(maxsize=None)
 def _library_has_hopper_code(index: int) -> bool:
     """Whether the loaded library's kernels carry Hopper code for CUDA device `index`
     (csrc/common/cuda/hopper_code.cu); True where that cannot be asked: no such device here,
-    or no CUDA build."""
+    or no CUDA build. Asked once a device: the model asks at every eager forward."""
     if index >= torch.cuda.device_count():
         return True
     from . import ops  # loads the library, as any op on this GPU would
