@@ -326,6 +326,14 @@ def test_gemm_splits_rule(sms, out_channels, in_channels, kernel, positions, spl
                                 KernelConfig(fp32_gemm_max_splits=1)) == 1
 
 
+def stand_in_gpu(monkeypatch, optin_kb=227, sms=132, major=9):
+    """An H100-like GPU (compute capability `major`) of `sms` SMs and `optin_kb` KB of opt-in
+    shared memory a block, for the routing mirrors (no GPU is needed)."""
+    props = dict(major=major, multi_processor_count=sms, shared_memory_per_block_optin=optin_kb << 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
+
+
 @pytest.mark.parametrize("sms,out_channels,in_channels,kernel,positions,splits", [
     (132, 2048, 2048, 5, 16, 2),    # 64 blocks of 32 rows: 2 slices put one on each SM
     (132, 1024, 4096, 5, 16, 4),    # 32 blocks: 4
@@ -343,9 +351,7 @@ def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, spl
     """explain()'s mirror of the ops' narrow_gemm_splits on a stand-in H100-like GPU of `sms`
     SMs (no GPU is needed): fp32 im2col GEMMs only, none before Ampere or where a block's
     shared memory holds fewer than 3 stages of the ring."""
-    props = dict(major=9, multi_processor_count=sms, shared_memory_per_block_optin=227 << 10)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
+    stand_in_gpu(monkeypatch, sms=sms)
     conv = torch.nn.Conv1d(in_channels, out_channels, kernel, device="meta")
     cuda, config = torch.device("cuda"), KernelConfig()
     assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == splits
@@ -355,18 +361,9 @@ def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, spl
     assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(narrow_gemm=False)) == 0
     assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(sm_count=8)) == \
         (1 if splits else 0)
-    for older in (dict(major=7), dict(shared_memory_per_block_optin=64 << 10)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda device=None, o=older: type("Properties", (), {**props, **o}))
+    for older in (dict(major=7), dict(optin_kb=64)):
+        stand_in_gpu(monkeypatch, sms=sms, **older)
         assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == 0
-
-
-def stand_in_gpu(monkeypatch, optin_kb=227, sms=132):
-    """An H100-like GPU of `sms` SMs and `optin_kb` KB of opt-in shared memory a block, for the
-    routing mirrors (no GPU is needed)."""
-    props = dict(major=9, multi_processor_count=sms, shared_memory_per_block_optin=optin_kb << 10)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
 
 
 def test_narrow_gemm_over_32_positions(monkeypatch):
