@@ -8,17 +8,18 @@ a sliced GroupNorm group, a strided conv, a block's first conv with its 1x1 shor
 reads the centre tap's rows of the same columns, every fifth row; over 32 positions on a
 side stream the shortcut's GEMM is narrow only beside the first conv's narrow GEMM), and a
 whole residual block (its first GEMM; over 32 positions cuBLAS's beside its shortcut's cuBLAS
-GEMM on a side stream). Bits that differ from cuBLAS's (another summation order) show that
-the kernel ran. A NaN-filled block of its partial sums' size is left in the allocator first
-(the op's inputs may take it; an unwritten partial then shows as stale values against the
-reference). With a budget of one or two SMs, a block's slice is dozens of chunks: the ring's
-stages are refilled many times. Where the kernel cannot take a GEMM (positions or reductions
+GEMM on a side stream), and inputs of other strides. Bits that differ from cuBLAS's (another
+summation order) show that the kernel ran. A NaN-filled block of its partial sums' size is
+left in the allocator first (the op's inputs may take it; an unwritten partial then shows as
+stale values against the reference). With a budget of one or two SMs, a block's slice is
+dozens of chunks: the ring's stages are refilled many times, and the im2col before it (a few
+blocks an SM) takes many passes over the columns. Where the kernel cannot take a GEMM (positions or reductions
 not a multiple of 4, more than 32 positions) the bits are cuBLAS's."""
 
 import pytest
 import torch
 
-from diffusion_policy_accelerated import routing
+from diffusion_policy_accelerated import ops, routing
 from diffusion_policy_accelerated.routing import KernelConfig, kernel_config
 from conftest import poison_allocator
 import test_conv1d as conv1d_tests
@@ -149,6 +150,30 @@ def test_long_slices(shape, sm_count):
                                            routing.current_kernel_config()) == 1
         assert_narrow_ran(narrow_and_cublas(lambda: gn_mish_tests.check(shape, torch.float32, "cuda"),
                                             cout * batch * length))
+
+
+# The im2col before a narrow GEMM (im2col_narrow_kernel, a thread per element of the columns)
+# reads x through its strides: x channels-last, and a view that starts inside its rows and
+# channels (not 16-byte aligned), at two batch rows, and over 32 positions.
+@pytest.mark.parametrize("layout", ["channels-last", "offset view"])
+@pytest.mark.parametrize("shape", [(2, 256, 64, 8, 5, 8), pytest.param((1, 256, 64, 32, 5, 8), marks=WIDE)], ids=str)
+def test_strided_input(shape, layout):
+    batch, cin, cout, length, _, groups = shape
+    x, w, b, gamma, beta = gn_mish_tests.make_inputs(shape, torch.float32, "cuda", torch.Generator().manual_seed(1))
+    if layout == "channels-last":
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        outer = torch.randn(batch, cin + 1, length + 3, device="cuda")
+        outer[:, 1:, 3:] = x
+        x = outer[:, 1:, 3:]
+    expected = gn_mish_tests.reference(x, w, b, gamma, beta, groups)
+
+    def run():
+        out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups)
+        torch.testing.assert_close(out.cpu().double(), expected, **gn_mish_tests.TOLERANCES[torch.float32])
+        return out
+
+    assert_narrow_ran(narrow_and_cublas(run, splits(cin, cout, 5, batch * length) * cout * batch * length))
 
 
 # Not taken: 7 and 18 positions, a reduction of 15 (3 channels), 36 positions.

@@ -184,10 +184,12 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
     read_skip_in_place(cs.a, x, *skip);
   }
   if (gemm_route) {
-    const at::Tensor cols = gemm_columns(c.a, x, form);
+    // The first conv's GEMM runs after im2col on this stream; the shortcut's forks off.
+    const bool narrow = takes_narrow_gemm(c.a, c.weight, form, false);
+    const at::Tensor cols = gemm_columns(c.a, x, form, narrow);
     const at::Tensor centre = centre_columns(c.a, cols, form);
     SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), cs.a.positions));
-    const bool beside_cublas = shortcut.forked() && !takes_narrow_gemm(c.a, c.weight, cols, form);
+    const bool beside_cublas = shortcut.forked() && !narrow;
     shortcut.run([&] {
       launch_conv_epilogue(cs.a, x.scalar_type(), gemm(cs.a, cs.weight, centre, GemmForm::kIm2col, beside_cublas),
                            GemmForm::kIm2col);

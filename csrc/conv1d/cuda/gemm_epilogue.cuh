@@ -6,6 +6,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cooperative_groups.h>
 #include <type_traits>
 #include <utility>
@@ -25,11 +26,11 @@ namespace cg = cooperative_groups;
 // where that one is a cuBLAS GEMM its blocks' exits stand in for its trigger, so an epilogue
 // is resident as the GEMM ends. Every block waits first, before any early exit: a kernel's
 // completion then implies its producer's, which the next kernel's wait relies on. The
-// epilogues also let the next kernel launch at once (start_as_dependent); im2col does not: the
-// narrow GEMM after it plans one block an SM, and launched early it finds SMs taken by waiting
-// blocks. H100, LeRobot's U-Net at horizon 64, batch 1, fp32 ms per DDPM-100 action: 86.4
-// before, 82.1 so, 83.7 with neither triggering early, 97.6 with im2col triggering too
-// (docs/tried.md has batch 8).
+// epilogues also let the next kernel launch at once (start_as_dependent); im2col_kernel does
+// not: launched early, the narrow GEMM after it found SMs taken by its waiting blocks. H100,
+// LeRobot's U-Net at horizon 64, batch 1, fp32 ms per DDPM-100 action: 86.4 before, 82.1 so,
+// 83.7 with neither triggering early, 97.6 with im2col triggering too (docs/tried.md has
+// batch 8). Before the narrow GEMM, im2col_narrow_kernel does, with few blocks.
 __device__ __forceinline__ void start_as_dependent() {
   allow_dependents();
   wait_for_producer();
@@ -518,8 +519,61 @@ __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, co
   }
 }
 
+// floor(n / d) for magic = ceil(2^32 / d) (division_magic), n < 2^32 / d: one multiply.
+__device__ __forceinline__ int divide(int n, uint64_t magic) {
+  return static_cast<int>((static_cast<uint64_t>(n) * magic) >> 32);
+}
+
+// im2col before the narrow GEMM (narrow_gemm.cu: at most 32 positions): a thread takes
+// elements e + j * (blocks x kThreads) of the columns' rows x positions, so that a few blocks
+// hold all of them where im2col_kernel's grid has a block per 8 rows, nearly all of whose
+// threads have no position. Few blocks let it launch the GEMM at once (allow_dependents):
+// the GEMM's blocks, one an SM, find room beside its waiting blocks and request their first
+// weights while the epilogue before im2col still runs. With im2col_kernel's thousands of
+// waiting blocks they did not (gemm_epilogue.cuh's launch comment above).
+template <typename T, bool kSplit>
+__global__ void __launch_bounds__(kThreads) im2col_narrow_kernel(const StreamArgs a, const Im2col cut, int rows,
+                                                                 T* __restrict__ cols, uint64_t positions_magic,
+                                                                 uint64_t taps_magic, uint64_t length_magic) {
+  allow_dependents();
+  wait_for_producer();
+  const int positions = a.batch * cut.length, elements = rows * positions;
+  const int step = gridDim.x * kThreads;
+  for (int e0 = blockIdx.x * kThreads + threadIdx.x; e0 < elements; e0 += kIm2colRowsPerThread * step) {
+    T v[kIm2colRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int e = e0 + j * step;
+      const int row = divide(e, positions_magic), n = e - row * positions;
+      const int b = divide(n, length_magic), l = n - b * cut.length;
+      const int c = divide(row, taps_magic), pos = l * cut.stride + row - c * cut.taps - cut.pad;
+      const bool second = kSplit && c >= a.x_split;
+      const T* column = second ? static_cast<const T*>(a.x2) + b * a.x2_sb + (c - a.x_split) * a.x2_sc
+                               : static_cast<const T*>(a.x) + b * a.x_sb + c * a.x_sc;
+      v[j] = e < elements && pos >= 0 && pos < a.lin ? column[pos * (second ? a.x2_sl : a.x_sl)]
+                                                     : static_cast<T>(0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < kIm2colRowsPerThread; ++j) {
+      const int e = e0 + j * step;
+      if (e < elements) cols[e] = v[j];
+    }
+  }
+}
+
 template <typename T>
-void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols) {
+void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols, bool narrow_next) {
+  if (narrow_next) {
+    const int positions = a.batch * cut.length;
+    TORCH_INTERNAL_ASSERT(positions <= kNarrowMaxPositions, "im2col before the narrow GEMM: at most ",
+                          kNarrowMaxPositions, " positions, got ", positions);
+    // Up to two blocks an SM: a 4096-channel k5 conv's 20480 rows x 16 positions in one pass.
+    const int blocks = std::clamp(ceil_div(int64_t{rows} * positions, kThreads * kIm2colRowsPerThread), 1,
+                                  2 * sm_budget());
+    launch_dependent(dim3(blocks), a.x2 ? im2col_narrow_kernel<T, true> : im2col_narrow_kernel<T, false>, a, cut,
+                     rows, cols, division_magic(positions), division_magic(cut.taps), division_magic(cut.length));
+    return;
+  }
   const dim3 grid((a.positions + kThreads - 1) / kThreads,
                   std::min((rows + kIm2colRowsPerThread - 1) / kIm2colRowsPerThread, 65535));
   launch_dependent(grid, a.x2 ? im2col_kernel<T, true> : im2col_kernel<T, false>, a, cut, rows, cols);
@@ -614,7 +668,7 @@ void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm f
 
 // The GEMM route's kernels of dtype T, in one translation unit.
 #define DPA_INSTANTIATE_GEMM_EPILOGUE(T)                                                              \
-  template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*);                          \
+  template void launch_im2col<T>(const StreamArgs&, const Im2col&, int, T*, bool);                    \
   template void launch_group_norm_epilogue<T>(const StreamArgs&, const GemmResult&, GemmForm,        \
                                               const GemmEpilogueIo&, const GroupSlices&);             \
   template bool group_slices_fit<T>(const StreamArgs&, GemmForm, int);                                 \

@@ -88,16 +88,16 @@ at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form
   return at::Tensor();
 }
 
-at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next) {
   const at::Tensor view = tap_rows_view(a, x, form);
-  return view.defined() ? view : im2col(a, x, form);
+  return view.defined() ? view : im2col(a, x, form, narrow_next);
 }
 
-at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next) {
   const Im2col cut = form == GemmForm::kIm2col ? Im2col{a.ksize, a.lout, a.stride, a.pad} : Im2col{1, a.lin, 1, 0};
   at::Tensor cols = at::empty({a.red, a.positions}, x.options());
   DPA_DISPATCH_FLOAT_TYPES(x.scalar_type(), "dpa im2col", [&] {
-    launch_im2col<scalar_t>(a, cut, a.red, cols.data_ptr<scalar_t>());
+    launch_im2col<scalar_t>(a, cut, a.red, cols.data_ptr<scalar_t>(), narrow_next);
   });
   return cols;
 }
@@ -115,23 +115,35 @@ int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
   return splits >= kSplitFewest ? splits : 1;
 }
 
-int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
-                       bool beside_cublas) {
-  if (form != GemmForm::kIm2col || cols.scalar_type() != at::kFloat || !kernel_config().narrow_gemm) return 0;
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// narrow_gemm_splits' rules, but for the columns' layout: what im2col's columns always meet.
+int narrow_splits(const StreamArgs& a, const at::Tensor& rows, GemmForm form, bool beside_cublas) {
+  if (form != GemmForm::kIm2col || rows.scalar_type() != at::kFloat || !kernel_config().narrow_gemm) return 0;
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   if (props->major < 8 || a.positions > kNarrowMaxPositions ||
       (a.positions > 16 && (beside_cublas || static_cast<int64_t>(a.m) * a.red > kNarrowWideMaxWeights))) {
     return 0;
   }
-  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
   if (a.red % 4 != 0 || a.positions % 4 != 0 || rows.stride(0) != a.red || rows.stride(1) != 1 ||
-      cols.stride(1) != 1 || cols.stride(0) % 4 != 0 || !aligned(rows) || !aligned(cols) ||
-      narrow_gemm_stages(a.positions) == 0) {
+      !aligned16(rows) || narrow_gemm_stages(a.positions) == 0) {
     return 0;
   }
   const int row_tiles = ceil_div(a.m, narrow_gemm_rows()), chunks = ceil_div(a.red, kNarrowChunk);
   const int wanted = std::clamp(sm_budget() / row_tiles, 1, chunks);
   return ceil_div(chunks, ceil_div(chunks, wanted));  // none empty
+}
+
+}  // namespace
+
+int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
+                       bool beside_cublas) {
+  if (cols.scalar_type() != at::kFloat || cols.stride(1) != 1 || cols.stride(0) % 4 != 0 || !aligned16(cols)) {
+    return 0;
+  }
+  return narrow_splits(a, rows, form, beside_cublas);
 }
 
 namespace {
@@ -148,8 +160,8 @@ at::Tensor gemm_rows(const StreamArgs& a, const at::Tensor& weight, GemmForm for
 
 }  // namespace
 
-bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form) {
-  return narrow_gemm_splits(a, gemm_rows(a, weight, form), cols, form, false) > 0;
+bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, GemmForm form, bool beside_cublas) {
+  return narrow_splits(a, gemm_rows(a, weight, form), form, beside_cublas) > 0;
 }
 
 // Where taps are rows the result is fp32: an output adds up K of its elements, and each
@@ -175,7 +187,7 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
 }
 
 at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form) {
-  return gemm(a, weight, gemm_columns(a, x, form), form);
+  return gemm(a, weight, gemm_columns(a, x, form, takes_narrow_gemm(a, weight, form, false)), form);
 }
 
 at::Tensor centre_columns(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {

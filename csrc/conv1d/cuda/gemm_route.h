@@ -44,8 +44,9 @@ GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_rou
 void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form);
 
 // The GEMM's B operand [red, positions]: im2col's columns, or, where taps are rows, x itself
-// copied to [C_in, B * L_in].
-at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form);
+// copied to [C_in, B * L_in]. narrow_next: the narrow GEMM reads them (takes_narrow_gemm),
+// which im2col then lets launch at once (gemm_epilogue.cuh).
+at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next = false);
 
 // Where taps are rows and x holds that operand already, a view of it (else undefined): x
 // stored channels-last ([B][L][C_in], a previous block's channels_last output), or a batch of
@@ -54,7 +55,7 @@ at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form);
 at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form);
 
 // The GEMM's B operand: tap_rows_view where it has one, else im2col.
-at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form);
+at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next = false);
 
 // How many slices of its reduction an fp32 conv's im2col GEMM is cut into (1: none). cuBLAS's
 // SIMT SGEMMs (TF32 off) tile [C_out, positions], so a batch-1 layer of a long horizon is a
@@ -74,8 +75,8 @@ int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
 // (`beside_cublas`; SideBranch).
 int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
                        bool beside_cublas);
-// Whether gemm() runs this GEMM (alone) on narrow_gemm.cu's kernel.
-bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor& cols, GemmForm form);
+// Whether gemm() runs this conv's GEMM on narrow_gemm.cu's kernel, given im2col's columns.
+bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, GemmForm form, bool beside_cublas);
 
 // The conv's GEMM over every position: narrow_gemm.cu's where narrow_gemm_splits takes it,
 // else one cuBLAS GEMM (tensor cores for fp16 / bf16; fp32 follows

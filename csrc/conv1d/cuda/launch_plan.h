@@ -12,6 +12,9 @@ namespace dpa {
 
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
+// ceil(2^32 / d): the kernels' divide() by d with one multiply.
+inline uint64_t division_magic(int d) { return ((uint64_t{1} << 32) + d - 1) / d; }
+
 // Blocks in one wave: kBlocksPerSm on every SM. A second, partial wave would leave most SMs
 // idle while it runs.
 int wave_blocks();

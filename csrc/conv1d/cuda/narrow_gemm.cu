@@ -23,6 +23,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
+
 #include "common/launch.h"
 #include "conv1d/cuda/device_common.cuh"
 #include "conv1d/cuda/launch_plan.h"
@@ -59,7 +61,8 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// Two blocks an SM at 16 positions; at 32 a thread's 128 sums need the registers of one.
+// At 16 positions within 128 registers (as when two blocks shared an SM; launch_narrow_gemm
+// now places one an SM); at 32 a thread's 128 sums need the registers of a block an SM.
 template <int kStages, int kPositions>
 __global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gemm_kernel(const NarrowGemm g) {
   constexpr int kStagedRow = staged_row(kPositions);
@@ -101,9 +104,10 @@ __global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gem
   };
 
   // The weights' first stages are requested before waiting for the previous kernel (im2col,
-  // which lets this one launch only as it ends: gemm_epilogue.cuh), the columns after. One
-  // group of copies per stage and kind here, one per stage below: waiting for all but
-  // kStages - 2 groups finds stage c's columns (and weights) landed.
+  // which lets this one launch at once: gemm_epilogue.cuh), the columns after: the weights
+  // then stream while im2col, and the epilogue before it, run. One group of copies per stage
+  // and kind here, one per stage below: waiting for all but kStages - 2 groups finds stage
+  // c's columns (and weights) landed.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     copy_weights(s, s);
@@ -194,7 +198,14 @@ void launch_narrow_gemm(const NarrowGemm& g, int stages) {
                         "narrow_gemm: a multiple of 4 positions up to ", kNarrowMaxPositions, ", got ", g.positions);
   const auto kernel = width == 16 ? (stages == 4 ? narrow_gemm_kernel<4, 16> : narrow_gemm_kernel<3, 16>)
                                   : narrow_gemm_kernel<4, 32>;
-  const size_t bytes = stages * stage_bytes(width);
+  // Over half an SM's shared memory, so that the scheduler places one block an SM also where
+  // the kernel launches while the kernels before it run (im2col_narrow_kernel lets it): two
+  // blocks on an SM stream at about half the speed each (docs/tried.md). A shortcut's GEMM on
+  // the side stream then waits for SMs that the first conv's leaves, which measured faster
+  // than beside it: LeRobot's U-Net at horizon 64, batch 1, fp32 75.9 against 77.1 ms.
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const size_t bytes = std::max(stages * stage_bytes(width),
+                                std::min(props->sharedMemPerMultiprocessor / 2, props->sharedMemPerBlockOptin));
   set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
   LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits), dim3(kThreads), bytes);
   launch.programmatic_dependent();
