@@ -194,10 +194,11 @@ def test_explain_names_every_conv_and_its_route():
         assert h32[module].route == "GEMM, taps-major" and "from 8 positions" in h32[module].why, h32[module]
         assert h32_streaming[module].route.startswith("streaming"), h32_streaming[module]
     assert h32["up_modules.0.1.blocks.0.block.0"].route.startswith("streaming")
-    assert deep["down_modules.1.2.conv"].route == "streaming"  # the stride-2 downsampling stays
+    # The stride-2 downsampling conv over 16 positions (1024 x 1024 x 3 x 16 multiply-adds, 2^25.6)
+    # takes the GEMM route by its work in both precisions (gemm_min_work 2^25), not taps-major.
+    assert deep["down_modules.1.2.conv"].route == "GEMM" and "multiply-adds" in deep["down_modules.1.2.conv"].why
     # In fp32 the 2048- and 1024-channel convs at 16 positions (2048 x 2048 x 5 x 16 and
-    # 1024 x 1024 x 5 x 16 multiply-adds) take the GEMM route by their work; the stride-2
-    # downsampling conv (1024 x 1024 x 3 x 16) does not.
+    # 1024 x 1024 x 5 x 16 multiply-adds) take the GEMM route by their work too.
     # On a GPU their GEMMs are the package's narrow GEMM, cut into slices that put a block on
     # each SM (narrow_gemm_splits): 2048 rows (64 blocks of 32) into 2, 1024 rows into 4 on an
     # H100's 132. Without it (narrow_gemm off), on a GPU of 128+ SMs cuBLAS's GEMMs are cut
@@ -221,7 +222,8 @@ def test_explain_names_every_conv_and_its_route():
         assert wide[module].route == "GEMM" or sms, wide[module]
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
-    assert wide["down_modules.1.2.conv"].route.startswith("streaming"), wide["down_modules.1.2.conv"]
+    assert wide["down_modules.1.2.conv"].route.startswith("GEMM"), wide["down_modules.1.2.conv"]
+    assert narrow["down_modules.1.2.conv"].route.startswith("streaming"), narrow["down_modules.1.2.conv"]
     # The upsampling conv over 16 positions (1024 x 1024 x 4 x 16): the GEMM route by
     # transposed_gemm_min_work, in both precisions; the horizon-16 U-Nets' (at most 8) stream.
     for routes in (wide, deep):
