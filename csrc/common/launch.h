@@ -43,6 +43,9 @@ inline bool hopper_launches() {
   return at::cuda::getCurrentDeviceProperties()->major >= 9 && hopper_code();
 }
 
+// Whether kernels launch as programmatic dependents: hopper_launches and KernelConfig.pdl.
+inline bool pdl_launches() { return kernel_config().pdl && hopper_launches(); }
+
 // SMs the launch plans fill: KernelConfig.sm_count where set (at most the device's), else
 // the device's. The planners read this, never multiProcessorCount.
 inline int sm_budget() {
@@ -75,7 +78,7 @@ class LaunchConfig {
   // As a programmatic dependent of the previous kernel, where the GPU has it and the kernel
   // configuration allows it.
   void programmatic_dependent() {
-    if (!kernel_config().pdl || !hopper_launches()) return;
+    if (!pdl_launches()) return;
     cudaLaunchAttribute& attribute = next();
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;

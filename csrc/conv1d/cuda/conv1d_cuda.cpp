@@ -250,10 +250,13 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   const at::Tensor cols = gemm_columns(first.a, x, form);
   GemmEpilogueIo io{};
   std::optional<at::Tensor> identity, shortcut_pre, shortcut_bias_c;
+  // Allocated on this stream and read on the side stream: held until the join, so that the
+  // allocator does not hand a contiguous copy's memory to this stream while the side reads it.
+  at::Tensor shortcut_w;
   std::optional<SideBranch> shortcut;
   if (r.has_shortcut) {
     const at::Tensor centre = centre_columns(first.a, cols, form);
-    const at::Tensor shortcut_w = shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels});
+    shortcut_w = shortcut_weight->contiguous().reshape({p.out_channels, p.in_channels});
     shortcut_pre = at::empty({p.out_channels, positions}, x.options());
     shortcut.emplace(shortcut_on_side_stream(x.scalar_type(), positions));
     shortcut->run([&] { at::mm_out(*shortcut_pre, shortcut_w, centre); });

@@ -519,7 +519,8 @@ __global__ void __launch_bounds__(kThreads) im2col_kernel(const StreamArgs a, co
   }
 }
 
-// floor(n / d) for magic = ceil(2^32 / d) (division_magic), n < 2^32 / d: one multiply.
+// floor(n / d) for magic = ceil(2^32 / d) (division_magic), exact for n * (d - 1) < 2^32:
+// n * magic / 2^32 = n / d + n * e / (d 2^32) with e = magic * d - 2^32 < d. One multiply.
 __device__ __forceinline__ int divide(int n, uint64_t magic) {
   return static_cast<int>((static_cast<uint64_t>(n) * magic) >> 32);
 }
@@ -563,8 +564,14 @@ __global__ void __launch_bounds__(kThreads) im2col_narrow_kernel(const StreamArg
 
 template <typename T>
 void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols, bool narrow_next) {
-  if (narrow_next) {
-    const int positions = a.batch * cut.length;
+  const int positions = a.batch * cut.length;
+  // Only where the GEMM can launch early: without programmatic dependent launch the few
+  // blocks gain nothing, and they took longer than im2col_kernel's (docs/tried.md). divide()
+  // is exact for its dividends (elements below rows x positions, rows, positions) where rows
+  // x positions x max(positions, taps) < 2^32, which every U-Net layer meets by far
+  // (LeRobot's widest: 20480 x 16 x 16); a wider conv takes im2col_kernel.
+  if (narrow_next && pdl_launches() &&
+      int64_t{rows} * positions * std::max(positions, cut.taps) < (int64_t{1} << 32)) {
     TORCH_INTERNAL_ASSERT(positions <= kNarrowMaxPositions, "im2col before the narrow GEMM: at most ",
                           kNarrowMaxPositions, " positions, got ", positions);
     // Up to two blocks an SM: a 4096-channel k5 conv's 20480 rows x 16 positions in one pass.

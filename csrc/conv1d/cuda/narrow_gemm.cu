@@ -198,14 +198,19 @@ void launch_narrow_gemm(const NarrowGemm& g, int stages) {
                         "narrow_gemm: a multiple of 4 positions up to ", kNarrowMaxPositions, ", got ", g.positions);
   const auto kernel = width == 16 ? (stages == 4 ? narrow_gemm_kernel<4, 16> : narrow_gemm_kernel<3, 16>)
                                   : narrow_gemm_kernel<4, 32>;
-  // Over half an SM's shared memory, so that the scheduler places one block an SM also where
-  // the kernel launches while the kernels before it run (im2col_narrow_kernel lets it): two
-  // blocks on an SM stream at about half the speed each (docs/tried.md). A shortcut's GEMM on
-  // the side stream then waits for SMs that the first conv's leaves, which measured faster
-  // than beside it: LeRobot's U-Net at horizon 64, batch 1, fp32 75.9 against 77.1 ms.
+  // Under programmatic dependent launch, half an SM's shared memory (with the 1 KB each block
+  // reserves, room for one), so that the scheduler places one block an SM also where the kernel
+  // launches while the kernels before it run (im2col_narrow_kernel lets it): two blocks on an
+  // SM stream at about half the speed each (docs/tried.md). A shortcut's GEMM on the side
+  // stream then waits for SMs that the first conv's leaves, which measured faster than beside
+  // it: LeRobot's U-Net at horizon 64, batch 1, fp32 75.9 against 77.1 ms. Without it the
+  // kernel starts once the one before it has ended, and its blocks (planned one an SM) spread
+  // over the SMs as they are.
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const size_t bytes = std::max(stages * stage_bytes(width),
-                                std::min(props->sharedMemPerMultiprocessor / 2, props->sharedMemPerBlockOptin));
+  size_t bytes = stages * stage_bytes(width);
+  if (pdl_launches()) {
+    bytes = std::max(bytes, std::min(props->sharedMemPerMultiprocessor / 2, props->sharedMemPerBlockOptin));
+  }
   set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
   LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits), dim3(kThreads), bytes);
   launch.programmatic_dependent();
