@@ -230,7 +230,7 @@ struct GroupSlices {
 
 // The GEMM route's kernels for dtype T on the current stream (gemm_epilogue.cuh).
 // im2col: the columns `cut` of a's input into cols [rows, a.batch * cut.length]; narrow_next:
-// for the narrow GEMM, which it lets launch at once.
+// for the narrow GEMM, which under PDL it lets launch at once.
 template <typename T>
 void launch_im2col(const StreamArgs& a, const Im2col& cut, int rows, T* cols, bool narrow_next);
 // The GroupNorm epilogue over `pre`, the GEMM's result of the form (T, or fp32 where taps are

@@ -45,7 +45,7 @@ void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form);
 
 // The GEMM's B operand [red, positions]: im2col's columns, or, where taps are rows, x itself
 // copied to [C_in, B * L_in]. narrow_next: the narrow GEMM reads them (takes_narrow_gemm),
-// which im2col then lets launch at once (gemm_epilogue.cuh).
+// which under PDL im2col then lets launch at once (gemm_epilogue.cuh).
 at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next = false);
 
 // Where taps are rows and x holds that operand already, a view of it (else undefined): x

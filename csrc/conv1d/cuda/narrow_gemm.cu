@@ -61,8 +61,9 @@ __device__ __forceinline__ void wait_copies() {
 #endif
 }
 
-// At 16 positions within 128 registers (as when two blocks shared an SM; launch_narrow_gemm
-// now places one an SM); at 32 a thread's 128 sums need the registers of a block an SM.
+// At 16 positions within 128 registers, so that two blocks fit an SM where shared memory
+// lets them (launch_narrow_gemm places one an SM under PDL); at 32 a thread's 128 sums need
+// the registers of a block an SM.
 template <int kStages, int kPositions>
 __global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gemm_kernel(const NarrowGemm g) {
   constexpr int kStagedRow = staged_row(kPositions);
