@@ -74,7 +74,7 @@ class KernelConfig:
     # GEMMs were cut into slices (fp32_gemm_max_splits), 2^26 took those 84M convs too: H100,
     # fp32 ms, 2^26 / 2^27 / 2^26, batch 1 horizon 32 80.27 / 81.64 / 80.59, horizon 64
     # 98.55 / 100.50 / 98.87; batch 2 within 0.2%; the horizon-16 U-Nets' routes unchanged.
-    # Once the fp32 narrow GEMM launched as its im2col started (9dcbcaf), 2^25 took the 42-50M
+    # Once the fp32 narrow GEMM launched as its im2col started (under PDL), 2^25 took the 42-50M
     # convs (512->1024 k5, the 1024-channel k3 downsampling) as well: ms, 2^26 / 2^25 / 2^24 /
     # 2^26 / 2^25, fp32 horizon 32 72.71 / 70.77 / 75.13 / 72.70 / 70.85, horizon 64 75.93 /
     # 75.15 / 75.44 / 75.97 / 75.18; bf16 horizon 32 43.90 / 44.05 / 43.60 / 43.84 / 44.11,

@@ -12,9 +12,10 @@ GEMM on a side stream), and inputs of other strides. Bits that differ from cuBLA
 summation order) show that the kernel ran. A NaN-filled block of its partial sums' size is
 left in the allocator first (the op's inputs may take it; an unwritten partial then shows as
 stale values against the reference). With a budget of one or two SMs, a block's slice is
-dozens of chunks: the ring's stages are refilled many times, and the im2col before it (a few
-blocks an SM) takes many passes over the columns. Where the kernel cannot take a GEMM (positions or reductions
-not a multiple of 4, more than 32 positions) the bits are cuBLAS's."""
+dozens of chunks: the ring's stages are refilled many times, and the im2col before it (under
+PDL a few blocks an SM) takes many passes over the columns. Where the kernel cannot take a
+GEMM (positions or reductions not a multiple of 4, more than 32 positions) the bits are
+cuBLAS's."""
 
 import pytest
 import torch
@@ -152,8 +153,8 @@ def test_long_slices(shape, sm_count):
                                             cout * batch * length))
 
 
-# The im2col before a narrow GEMM (im2col_narrow_kernel, a thread per element of the columns)
-# reads x through its strides: x channels-last, and a view that starts inside its rows and
+# The im2col before a narrow GEMM (under PDL im2col_narrow_kernel, a thread per element of
+# the columns) reads x through its strides: x channels-last, and a view that starts inside its rows and
 # channels (not 16-byte aligned), at two batch rows, and over 32 positions.
 @pytest.mark.parametrize("layout", ["channels-last", "offset view"])
 @pytest.mark.parametrize("shape", [(2, 256, 64, 8, 5, 8), pytest.param((1, 256, 64, 32, 5, 8), marks=WIDE)], ids=str)
