@@ -154,8 +154,8 @@ def test_long_slices(shape, sm_count):
 
 
 # The im2col before a narrow GEMM (under PDL im2col_narrow_kernel, a thread per element of
-# the columns) reads x through its strides: x channels-last, and a view that starts inside its rows and
-# channels (not 16-byte aligned), at two batch rows, and over 32 positions.
+# the columns) reads x through its strides: x channels-last, and a view that starts inside
+# its rows and channels (not 16-byte aligned), at two batch rows, and over 32 positions.
 @pytest.mark.parametrize("layout", ["channels-last", "offset view"])
 @pytest.mark.parametrize("shape", [(2, 256, 64, 8, 5, 8), pytest.param((1, 256, 64, 32, 5, 8), marks=WIDE)], ids=str)
 def test_strided_input(shape, layout):
