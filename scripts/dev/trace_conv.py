@@ -111,7 +111,9 @@ def main():
         cin, cout, length = map(int, shape.split(","))
         mb = cin * cout * 5 * dtype.itemsize / 1e6
         for clusters in (True, False):
-            with kernel_config(clusters=clusters):
+            # Half precision without clusters would take the GEMM route from 8 positions
+            # (KernelConfig.portable_half_gemm_min_positions): kept on the split-K kernel here.
+            with kernel_config(clusters=clusters, portable_half_gemm_min_positions=2 ** 62):
                 blocks, values = trace_layer(cin, cout, length, args.batch, dtype)
             print(f"{cin}->{cout} L{length:<6} {mb:6.2f} {'cluster' if clusters else 'split-K':9} {blocks:6} "
                   + " ".join(f"{v:8.2f}" for v in values), flush=True)

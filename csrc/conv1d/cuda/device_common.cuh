@@ -169,6 +169,26 @@ static __device__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// The moments (mean, sum of squared deviations) of the first n values the block holds (thread
+// t's v[j] is value t + j * kThreads), in two passes over them: the GroupNorm kernels'
+// statistics over a group or a slice of one (the GEMM route's epilogues, split-K's finishing).
+__device__ __forceinline__ float2 held_moments(const float (&v)[kHeldPerThread], int n, float* scratch) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j)
+    if (threadIdx.x + j * kThreads < n) sum += v[j];
+  const float mean = block_sum(sum, scratch) / n;
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kHeldPerThread; ++j) {
+    if (threadIdx.x + j * kThreads < n) {
+      const float d = v[j] - mean;
+      sq += d * d;
+    }
+  }
+  return make_float2(mean, block_sum(sq, scratch));
+}
+
 // What an output element gets after the conv (and GroupNorm + Mish): its channel's GroupNorm
 // affine, FiLM scale and shift, and the residual. Loaded as one batch so that the loads'
 // round trip overlaps other work (the finishing block's statistics).

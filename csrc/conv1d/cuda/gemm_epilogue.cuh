@@ -112,26 +112,6 @@ struct TapRowsPre {
   }
 };
 
-// The moments (mean, sum of squared deviations) of the first n values the block holds (thread
-// t's v[j] is value t + j * kThreads), in two passes over them: the GroupNorm kernels'
-// statistics over a group or a slice of one.
-__device__ __forceinline__ float2 held_moments(const float (&v)[kHeldPerThread], int n, float* scratch) {
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j)
-    if (threadIdx.x + j * kThreads < n) sum += v[j];
-  const float mean = block_sum(sum, scratch) / n;
-  float sq = 0.f;
-#pragma unroll
-  for (int j = 0; j < kHeldPerThread; ++j) {
-    if (threadIdx.x + j * kThreads < n) {
-      const float d = v[j] - mean;
-      sq += d * d;
-    }
-  }
-  return make_float2(mean, block_sum(sq, scratch));
-}
-
 // An output's epilogue inputs (load_epilogue), the residual taken from io where it says so.
 template <typename T>
 __device__ __forceinline__ Epilogue load_epilogue_io(const StreamArgs& a, const GemmEpilogueIo& io, int b, int c,

@@ -39,6 +39,83 @@ struct TilePre {
   }
 };
 
+// Whether a conv's output tile of `count` elements is finished held in registers
+// (finish_held_tile): kHeldPerThread a thread, and a GroupNorm's statistics over one batch
+// row (larger tiles and batches go through normalize_group).
+__device__ __forceinline__ bool tile_held(const StreamArgs& a, int count) {
+  return count <= kHeldPerThread * kThreads && (a.groups == 0 || a.batch == 1);
+}
+
+// An output tile of channels [c_lo, ...), `count` elements, held in registers: thread t
+// holds elements t + j * kThreads, j < H. Every held element's first kBatch splits' partial
+// sums are requested at once, 32 loads a thread, and the epilogue inputs and bias behind
+// them, so that the finishing block waits for one L2 round trip per kBatch splits (one at
+// the default U-Nets' 4-16 splits). The loop in finish_conv_tile below adds one element's
+// splits 8 at a time, a round trip each, and re-reads the tile for the statistics: a traced
+// portable 256->256 L16 launch (H100, fp32) took 6.7 µs after its last block streamed with
+// it and 4.4 with this (docs/tried.md, "Finishing block holds its tile"). The sums,
+// statistics and outputs have that loop's bits.
+template <typename T, int H>
+__device__ __forceinline__ void finish_held_tile(const StreamArgs& a, int c_lo, int count, float* scratch) {
+  static_assert(H <= kHeldPerThread, "held_moments takes kHeldPerThread values a thread");
+  constexpr int kBatch = 32 / H;
+  const int P = a.positions;
+  const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
+  bool held[H];
+  int64_t at[H];  // the element's offset in a split's workspace
+#pragma unroll
+  for (int j = 0; j < H; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    held[j] = i < count;
+    at[j] = static_cast<int64_t>(c_lo + i / P) * a.nt + i % P;
+  }
+  float sums[H][kBatch];
+  const auto load_splits = [&](int split0) {
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+#pragma unroll
+      for (int s = 0; s < kBatch; ++s) {
+        sums[j][s] = held[j] && split0 + s < a.splits ? __ldcg(a.ws + (split0 + s) * split_stride + at[j]) : 0.f;
+      }
+    }
+  };
+  load_splits(0);
+  float v[kHeldPerThread] = {};
+  Epilogue e[H];
+#pragma unroll
+  for (int j = 0; j < H; ++j) {
+    const int i = threadIdx.x + j * kThreads, c = c_lo + i / P, n = i % P;
+    e[j] = held[j] ? load_epilogue<T>(a, n / a.lout, c, n % a.lout) : Epilogue{};
+    v[j] = held[j] && a.bias ? load_float<T>(a.bias, c) : 0.f;
+  }
+#pragma unroll 1
+  for (int split0 = 0;;) {
+#pragma unroll
+    for (int j = 0; j < H; ++j) {
+#pragma unroll
+      for (int s = 0; s < kBatch; ++s) v[j] += sums[j][s];
+    }
+    split0 += kBatch;
+    if (split0 >= a.splits) break;
+    load_splits(split0);
+  }
+  trace_event(a, kTraceSummed);
+  float mean = 0.f, rstd = 1.f;
+  if (a.groups > 0) {
+    const float2 moments = held_moments(v, count, scratch);
+    mean = moments.x;
+    rstd = rsqrtf(moments.y / count + a.eps);
+    trace_event(a, kTraceNormalized);
+  }
+#pragma unroll
+  for (int j = 0; j < H; ++j) {
+    const int i = threadIdx.x + j * kThreads, c = c_lo + i / P, n = i % P;
+    if (!held[j]) continue;
+    const float pre = a.groups > 0 ? mish((v[j] - mean) * rstd * e[j].gamma + e[j].beta) : v[j];
+    store_output<T>(a, n / a.lout, c, n % a.lout, apply_epilogue(e[j], pre));
+  }
+}
+
 // Output tile `unit` of a conv: channels [unit * unit_rows, ...). Adds up the splits' partial
 // sums and the bias into shared memory when the tile fits (else into split 0's workspace
 // slot), then GroupNorm etc. or the plain epilogue. Not inlined, so that the finishing code
@@ -49,8 +126,12 @@ __device__ __noinline__ void finish_conv_tile(const StreamArgs& a, int unit, flo
   const int c_lo = unit * a.unit_rows, c_hi = min(c_lo + a.unit_rows, a.m);
   const int P = a.positions;
   const int count = (c_hi - c_lo) * P;
-  const TilePre pre{count <= shared_floats ? shared : nullptr, a.ws, c_lo, P, a.nt};
   trace_event(a, kTraceFinishing);
+  if (tile_held(a, count)) {
+    return count <= 2 * kThreads ? finish_held_tile<T, 2>(a, c_lo, count, scratch)
+                                 : finish_held_tile<T, kHeldPerThread>(a, c_lo, count, scratch);
+  }
+  const TilePre pre{count <= shared_floats ? shared : nullptr, a.ws, c_lo, P, a.nt};
 #pragma unroll 1
   for (int i = threadIdx.x; i < count; i += kThreads) {
     const int c = c_lo + i / P, n = i % P;
