@@ -13,9 +13,10 @@ warm-up; TF32 is off for the PyTorch baselines. Writes JSON and a PNG plot.
 
     python scripts/benchmark.py [--unet lowdim image lerobot] [--batch 1 8 64] [--horizon 16] [--compile]
                                 [--out DIR] [--ours-only] [--gemm-min-positions N] [--gemm-min-work N]
-                                [--taps-major-min-work N] [--taps-major-min-work-batch-1 N]
+                                [--taps-major-min-work N] [--taps-major-min-work-batch-1 N] [--portable]
 
---ours-only skips the baselines (a quick A/B of our variants).
+--ours-only skips the baselines (a quick A/B of our variants); --portable runs ours as GPUs
+before Hopper do (no thread-block clusters or programmatic dependent launch).
 """
 import argparse
 import json
@@ -103,12 +104,17 @@ def main():
     parser.add_argument("--taps-major-min-work-batch-1", type=int,
                         help="run ours with this KernelConfig.taps_major_min_work_batch_1 (2**62: no taps-major "
                              "GEMMs at batch 1 below 16 positions)")
+    parser.add_argument("--portable", action="store_true",
+                        help="run ours without thread-block clusters and programmatic dependent launch "
+                             "(the path of GPUs before Hopper)")
     args = parser.parse_args()
     changes = {name: value for name, value in (("gemm_min_positions", args.gemm_min_positions),
                                                 ("gemm_min_work", args.gemm_min_work),
                                                 ("taps_major_min_work", args.taps_major_min_work),
                                                 ("taps_major_min_work_batch_1", args.taps_major_min_work_batch_1))
                if value is not None}
+    if args.portable:
+        changes.update(clusters=False, pdl=False)
     with kernel_config(**changes):
         run(args)
 

@@ -1,10 +1,11 @@
 """The portable launch path (no thread-block clusters, no programmatic dependent launch: what
 GPUs before Hopper run) in half precision at batch 1, horizon 16, DDPM-100, with and without
-`KernelConfig.portable_half_gemm_min_positions` (GEMMs from 8 positions): ms per action chunk,
-off / on / off / on, for the lowdim and image U-Nets in bf16 and fp16, on each SM budget (a
-CUDA green context per budget, in a process of its own, as scripts/benchmark_sm_budget.py).
+`KernelConfig.portable_half_gemm_min_positions` (GEMMs from 8 positions, or --positions): ms
+per action chunk, off / on / off / on, for the lowdim and image U-Nets in bf16 and fp16, on each
+SM budget (a CUDA green context per budget, in a process of its own, as
+scripts/benchmark_sm_budget.py).
 
-    python scripts/dev/portable_half_routes.py [--sms 16 48 132]
+    python scripts/dev/portable_half_routes.py [--sms 16 48 132] [--positions 8]
 """
 import argparse
 import subprocess
@@ -24,7 +25,7 @@ from diffusion_policy_accelerated.profiling import median_ms  # noqa: E402
 from diffusion_policy_accelerated.routing import KernelConfig, kernel_config  # noqa: E402
 
 
-def worker(budget):
+def worker(budget, rule):
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count
     got, context = device_sms, None
     if budget < device_sms:
@@ -35,7 +36,6 @@ def worker(budget):
     from diffusion_policy_accelerated.sampler import GraphedSampler
     scheduler_cls, steps = SCHEDULES["DDPM-100"]
     schedule = DenoiseSchedule.from_diffusers(scheduler_cls(**SCHEDULER_CONFIG), steps).to("cuda")
-    rule = KernelConfig().portable_half_gemm_min_positions
     for name in ("lowdim", "image"):
         for dtype in (torch.bfloat16, torch.float16):
             torch.manual_seed(0)
@@ -56,16 +56,21 @@ def worker(budget):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 48, 132], help="SM budgets")
+    parser.add_argument("--positions", type=int, default=KernelConfig().portable_half_gemm_min_positions,
+                        help="portable_half_gemm_min_positions for 'on' (default: the configuration's)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one budget, in a child process
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
+    if args.positions < 1:
+        parser.error(f"--positions must be at least 1, got {args.positions}")
     if args.worker is not None:
-        return worker(args.worker)
+        return worker(args.worker, args.positions)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  portable launches, batch 1, horizon "
-          f"{HORIZON}, DDPM-100", flush=True)
+          f"{HORIZON}, DDPM-100, on: GEMMs from {args.positions} positions", flush=True)
     for budget in args.sms:
-        subprocess.run([sys.executable, __file__, "--worker", str(budget)], check=True)
+        subprocess.run([sys.executable, __file__, "--worker", str(budget), "--positions", str(args.positions)],
+                       check=True)
 
 
 if __name__ == "__main__":
