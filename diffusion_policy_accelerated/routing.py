@@ -91,7 +91,10 @@ class KernelConfig:
     # lowdim 37.84 / 37.04, image 90.33 / 81.71; 16 SMs bf16 lowdim 59.74 / 59.98 (the one
     # loss), image 184.02 / 165.07, fp16 lowdim 64.21 / 63.30. From 16 positions it gained
     # less (whole GPU, bf16: lowdim 32.84, image 58.98), from 1 lowdim lost (36.76), and fp32
-    # lost from 16 on (lowdim 37.91 against 35.04): its GEMMs are SIMT.
+    # lost from 16 on (lowdim 37.91 against 35.04): its GEMMs are SIMT. Once the split-K
+    # finishing block held its tile (d7c36a2), off / 8 / off / 8: whole GPU bf16 lowdim 30.28 /
+    # 29.07 / 30.37 / 29.05, image 53.77 / 52.43 / 53.67 / 52.27; 48 SMs lowdim 35.75 / 35.69,
+    # image 83.65 / 78.11; from 16 again less (whole GPU lowdim 30.37, image 53.08).
     portable_half_gemm_min_positions: int = 8
     # ... and a transposed conv (the U-Nets' upsampling, C -> C, k4, stride 2) from
     # gemm_min_work_positions input positions on where its weight elements x positions reach
