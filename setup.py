@@ -37,7 +37,7 @@ class PersistentBuildExtension(BuildExtension):
     def build_extensions(self):
         count = len(self.extensions[0].sources)
         print(f"diffusion_policy_accelerated: compiling {count} sources into {self.build_temp} (the "
-              "first CUDA build takes about 4 minutes on 2 cores for the default archs; later builds "
+              "first CUDA build takes about 7 minutes on 2 cores for the default archs; later builds "
               "recompile only what changed; MAX_JOBS limits parallel compiles)", flush=True)
         super().build_extensions()
 
