@@ -186,8 +186,8 @@ struct Im2col {
 // passes on them: re-reading them were dependent L2 round trips, on a kernel that is all
 // latency (~6 µs a launch at batch 64; docs/tried.md, "im2col on a 2-D grid"). Few enough held that a
 // batch 64 U-Net's blocks are resident at once. Larger groups are cut into slices
-// (GroupSlices). The split-K kernels' finishing block holds its tile the same way where it
-// fits (splitk_finish.cuh, finish_held_tile).
+// (GroupSlices). The Conv1d-layout split-K kernels' finishing block holds its tile the same
+// way where it fits (splitk_finish.cuh, finish_held_tile).
 constexpr int kHeldPerThread = 4;
 
 // Whether the GroupNorm epilogue holds a group in registers, which GemmEpilogueIo's columns

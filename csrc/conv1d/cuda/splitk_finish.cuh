@@ -8,8 +8,8 @@
 namespace dpa {
 
 // Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
-// in split order (deterministic), kBatch loads in flight at a time. (Batching 16 splits of two
-// elements at once measured slower on an H100: docs/tried.md, "Finishing block".)
+// in split order (deterministic), kBatch loads in flight at a time: the finishing loop of tiles
+// too large (or batches too many) for finish_held_tile, which requests a tile's splits at once.
 __device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
   constexpr int kBatch = 8;
   const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
@@ -41,7 +41,7 @@ struct TilePre {
 
 // Whether a conv's output tile of `count` elements is finished held in registers
 // (finish_held_tile): kHeldPerThread a thread, and a GroupNorm's statistics over one batch
-// row (larger tiles and batches go through normalize_group).
+// row. Larger tiles, and GroupNorm at batch 2 and up, take the loop in finish_conv_tile.
 __device__ __forceinline__ bool tile_held(const StreamArgs& a, int count) {
   return count <= kHeldPerThread * kThreads && (a.groups == 0 || a.batch == 1);
 }
@@ -49,8 +49,9 @@ __device__ __forceinline__ bool tile_held(const StreamArgs& a, int count) {
 // An output tile of channels [c_lo, ...), `count` elements, held in registers: thread t
 // holds elements t + j * kThreads, j < H. Every held element's first kBatch splits' partial
 // sums are requested at once, 32 loads a thread, and the epilogue inputs and bias behind
-// them, so that the finishing block waits for one L2 round trip per kBatch splits (one at
-// the default U-Nets' 4-16 splits). The loop in finish_conv_tile below adds one element's
+// them, so that the finishing block waits for one L2 round trip per kBatch splits (16 at two
+// elements a thread, 8 at four: one round trip on the default U-Nets' layers, whose tiles of
+// 1024 elements have 4-8 splits). The loop in finish_conv_tile below adds one element's
 // splits 8 at a time, a round trip each, and re-reads the tile for the statistics: a traced
 // portable 256->256 L16 launch (H100, fp32) took 6.7 µs after its last block streamed with
 // it and 4.4 with this (docs/tried.md, "Finishing block holds its tile"). The sums,
