@@ -425,3 +425,21 @@ def test_sm_budget_script_rejects(monkeypatch, capsys, args, message):
         with pytest.raises(SystemExit):
             module.main([])
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+# --- scripts/dev/portable_half_routes.py: what it refuses ---------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--positions", "0"], "--positions must be at least 1, got 0"),
+    (["--sms", "48", "-8"], r"--sms takes positive integers, got \[48, -8\]"),
+])
+def test_portable_half_routes_script_rejects(monkeypatch, capsys, args, message):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "portable_half_routes.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # sys.path as it was, after the script's own insert
+    spec = importlib.util.spec_from_file_location("dpa_portable_half_routes_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)

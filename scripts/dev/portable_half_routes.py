@@ -53,17 +53,19 @@ def worker(budget, rule):
                   + " / ".join(f"{t:.2f}" for t in times), flush=True)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sms", type=int, nargs="+", default=[16, 48, 132], help="SM budgets")
     parser.add_argument("--positions", type=int, default=KernelConfig().portable_half_gemm_min_positions,
                         help="portable_half_gemm_min_positions for 'on' (default: the configuration's)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # one budget, in a child process
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU")
+    args = parser.parse_args(argv)
     if args.positions < 1:
         parser.error(f"--positions must be at least 1, got {args.positions}")
+    if any(budget < 1 for budget in args.sms):
+        parser.error(f"--sms takes positive integers, got {args.sms}")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
     if args.worker is not None:
         return worker(args.worker, args.positions)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  portable launches, batch 1, horizon "
