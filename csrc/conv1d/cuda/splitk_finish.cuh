@@ -8,8 +8,8 @@
 namespace dpa {
 
 // Adds split 0.. splits-1 of workspace element `offset` (rows of m x nt floats apart) to s,
-// in split order (deterministic), kBatch loads in flight at a time: the finishing loop of tiles
-// too large (or batches too many) for finish_held_tile, which requests a tile's splits at once.
+// in split order (deterministic), kBatch loads in flight at a time: the finishing loop of the
+// tiles finish_held_tile does not take (tile_held), which requests a tile's splits at once.
 __device__ __forceinline__ float add_splits(const StreamArgs& a, int64_t offset, float s) {
   constexpr int kBatch = 8;
   const int64_t split_stride = static_cast<int64_t>(a.m) * a.nt;
