@@ -443,3 +443,26 @@ def test_portable_half_routes_script_rejects(monkeypatch, capsys, args, message)
         module.main(args)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+# --- scripts/dev/step_timeline.py: what it refuses ----------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "2"], "--steps must be 3 or more, got 2"),
+    (["--batch", "0"], "--batch must be 1 or more, got 0"),
+    (["--horizon", "-4"], "--horizon must be 1 or more, got -4"),
+    (["--dtype", "float64"], "invalid choice: 'float64'"),
+])
+def test_step_timeline_script_rejects(monkeypatch, capsys, args, message):
+    script = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "step_timeline.py"
+    spec = importlib.util.spec_from_file_location("dpa_step_timeline_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():  # valid arguments on a machine without a GPU
+        with pytest.raises(SystemExit):
+            module.main([])
+        assert "needs a CUDA GPU" in capsys.readouterr().err
