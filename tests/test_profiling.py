@@ -360,14 +360,18 @@ def test_call_graph_png(tmp_path, monkeypatch):
 
 # --- scripts/profile_action.py end to end ------------------------------------------------------
 
-def _profile_script(monkeypatch):
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))  # as `python scripts/profile_action.py` has it
-    path = scripts / "profile_action.py"
-    spec = importlib.util.spec_from_file_location("dpa_profile_script", path)
+def _script(monkeypatch, relative):
+    """scripts/<relative> loaded as a module, its folder on sys.path as when it runs."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / relative
+    monkeypatch.syspath_prepend(str(path.parent))
+    spec = importlib.util.spec_from_file_location("dpa_script_" + path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _profile_script(monkeypatch):
+    return _script(monkeypatch, "profile_action.py")  # sys.path as `python scripts/profile_action.py` has it
 
 
 @pytest.mark.parametrize("mode", ["eager", "ours"])
@@ -404,7 +408,20 @@ def test_profile_script_rejects(tmp_path, monkeypatch, args):
         _profile_script(monkeypatch).main(args + ["--device", "cpu", "--out", str(tmp_path)])
 
 
-# --- scripts/benchmark_sm_budget.py: what it refuses --------------------------------------------
+# --- the scripts' argument checks: what they refuse ---------------------------------------------
+
+def _assert_rejects(module, args, message, capsys, asks_for_gpu=True):
+    """main(args) exits as argparse does on a bad argument, with `message` (a regex); and with
+    valid arguments on a machine without a GPU, says it needs one."""
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(args)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    if asks_for_gpu and not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            module.main([])
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("args,message", [
     (["--sms", "16", "0"], r"--sms takes positive integers, got \[16, 0\]"),
@@ -412,40 +429,16 @@ def test_profile_script_rejects(tmp_path, monkeypatch, args):
     (["--unet", "tiny"], "invalid choice: 'tiny'"),
 ])
 def test_sm_budget_script_rejects(monkeypatch, capsys, args, message):
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
-    monkeypatch.syspath_prepend(str(scripts))
-    spec = importlib.util.spec_from_file_location("dpa_sm_budget_script", scripts / "benchmark_sm_budget.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(args)
-    assert exit_info.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
-    if not torch.cuda.is_available():  # valid arguments on a machine without a GPU
-        with pytest.raises(SystemExit):
-            module.main([])
-        assert "needs a CUDA GPU" in capsys.readouterr().err
+    _assert_rejects(_script(monkeypatch, "benchmark_sm_budget.py"), args, message, capsys)
 
-
-# --- scripts/dev/portable_half_routes.py: what it refuses ---------------------------------------
 
 @pytest.mark.parametrize("args,message", [
     (["--positions", "0"], "--positions must be at least 1, got 0"),
     (["--sms", "48", "-8"], r"--sms takes positive integers, got \[48, -8\]"),
 ])
 def test_portable_half_routes_script_rejects(monkeypatch, capsys, args, message):
-    script = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "portable_half_routes.py"
-    monkeypatch.syspath_prepend(str(script.parent))  # sys.path as it was, after the script's own insert
-    spec = importlib.util.spec_from_file_location("dpa_portable_half_routes_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(args)
-    assert exit_info.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    _assert_rejects(_script(monkeypatch, "dev/portable_half_routes.py"), args, message, capsys, asks_for_gpu=False)
 
-
-# --- scripts/dev/step_timeline.py: what it refuses ----------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
     (["--steps", "2"], "--steps must be 3 or more, got 2"),
@@ -454,15 +447,4 @@ def test_portable_half_routes_script_rejects(monkeypatch, capsys, args, message)
     (["--dtype", "float64"], "invalid choice: 'float64'"),
 ])
 def test_step_timeline_script_rejects(monkeypatch, capsys, args, message):
-    script = Path(__file__).resolve().parents[1] / "scripts" / "dev" / "step_timeline.py"
-    spec = importlib.util.spec_from_file_location("dpa_step_timeline_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(args)
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    if not torch.cuda.is_available():  # valid arguments on a machine without a GPU
-        with pytest.raises(SystemExit):
-            module.main([])
-        assert "needs a CUDA GPU" in capsys.readouterr().err
+    _assert_rejects(_script(monkeypatch, "dev/step_timeline.py"), args, message, capsys)
