@@ -98,6 +98,9 @@ def main():
     parser.add_argument("--gemm-min-work", type=int,
                         help="run ours with this KernelConfig.gemm_min_work (2**62: no GEMMs below "
                              "gemm_min_positions by work)")
+    parser.add_argument("--gemm-min-work-positions", type=int,
+                        help="run ours with this KernelConfig.gemm_min_work_positions (the fewest positions "
+                             "gemm_min_work applies from)")
     parser.add_argument("--taps-major-min-work", type=int,
                         help="run ours with this KernelConfig.taps_major_min_work (2**62: no taps-major "
                              "GEMMs below gemm_min_positions)")
@@ -110,6 +113,7 @@ def main():
     args = parser.parse_args()
     changes = {name: value for name, value in (("gemm_min_positions", args.gemm_min_positions),
                                                 ("gemm_min_work", args.gemm_min_work),
+                                                ("gemm_min_work_positions", args.gemm_min_work_positions),
                                                 ("taps_major_min_work", args.taps_major_min_work),
                                                 ("taps_major_min_work_batch_1", args.taps_major_min_work_batch_1))
                if value is not None}
