@@ -4,9 +4,9 @@ thresholds, and the route rules, in one place.
 A conv of the U-Net takes one of these routes:
 
   CPU          ATen's convolution (oneDNN), im2col + one GEMM, or over few positions im2col
-               + the package's weight-streaming GEMM, in the input's dtype, whichever was
-               fastest at the shape's first call (`cpu_conv`), then the fused
-               GroupNorm / Mish / FiLM / residual pass.
+               + the package's weight-streaming GEMM, in the input's dtype or (half
+               precision) on fp32 copies of its operands, whichever was fastest at the shape's
+               first call (`cpu_conv`), then the fused GroupNorm / Mish / FiLM / residual pass.
   streaming    CUDA, batch x length below `gemm_min_positions` (and below `gemm_min_work`
                multiply-adds): the weight-streaming kernels, which read every weight once at
                close to HBM bandwidth (a robot's batch 1). On Hopper a layer runs as
@@ -48,7 +48,7 @@ __all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major
 
 
 # KernelConfig.cpu_conv's values, in the extension's order (csrc/common/kernel_config.h).
-CPU_CONV_ROUTES = ("auto", "aten", "gemm", "stream")
+CPU_CONV_ROUTES = ("auto", "aten", "gemm", "stream", "fp32")
 # The fields that take one of a few values.
 _CHOICES = {"cpu_conv": CPU_CONV_ROUTES}
 
@@ -179,8 +179,10 @@ class KernelConfig:
     # count times ATen's conv (oneDNN), im2col + one GEMM and, over up to 32 positions in fp32
     # or bf16, im2col + the package's weight-streaming GEMM (a transposed conv: ATen's or the
     # streaming GEMM), on its own inputs, and keeps the fastest for the process
-    # (csrc/conv1d/cpu/conv_route_cpu.h: no rule held across shapes and CPUs); "aten" /
-    # "gemm" / "stream" fix the route (reproducible bits, or a measurement).
+    # (csrc/conv1d/cpu/conv_route_cpu.h: no rule held across shapes and CPUs); a half-precision
+    # conv each of them also on fp32 copies of its operands, which wins on CPUs without
+    # half-precision arithmetic. "aten" / "gemm" / "stream" fix the route in the input's dtype,
+    # "fp32" as ATen's conv of fp32 copies (reproducible bits, or a measurement).
     cpu_conv: str = "auto"
     # CUDA: the SMs the launch plans fill (None: the device's). A process given fewer SMs than
     # the device has (a CUDA green context, an MPS client's share) sets it; planned for the
@@ -445,22 +447,29 @@ def _conv_route(name: str, conv: nn.Module, shape: torch.Size, device: torch.dev
                  f"k{conv.kernel_size[0]}, x [{batch}, {channels}, {length}]")
     if device.type != "cuda":
         # The streaming GEMM has fp32 and bf16; "auto" times it up to 32 positions (input
-        # positions for a transposed conv), conv_route_cpu.cpp's streams().
+        # positions for a transposed conv), conv_route_cpu.cpp's few_positions(), and a
+        # half-precision conv's routes also on fp32 copies of its operands.
         streams = dtype in (torch.float32, torch.bfloat16)
-        if transposed:
-            how = ("ATen's transposed conv or (fp32 or bf16, up to 32 positions) the weight-streaming GEMM, "
+        half = dtype in (torch.float16, torch.bfloat16)
+        operands = {"auto": ", in the input's dtype" + (" or on fp32 copies of its operands" if half else ""),
+                    "fp32": " on fp32 copies of its operands" if half else ", in fp32"}.get(
+                        config.cpu_conv, ", in the input's dtype")
+        conv_name = "transposed conv" if transposed else "conv"
+        if config.cpu_conv == "fp32":
+            how = f"ATen's {conv_name} (cpu_conv 'fp32')"
+        elif transposed:
+            how = ("ATen's transposed conv or (up to 32 positions) the weight-streaming GEMM, "
                    "whichever was faster at this shape's first call (cpu_conv 'auto')"
                    if config.cpu_conv == "auto" else
                    "the weight-streaming GEMM (cpu_conv 'stream')" if config.cpu_conv == "stream" and streams else
                    f"ATen's transposed conv (cpu_conv '{config.cpu_conv}')")
-            return ConvRoute(name, described, "CPU", how + ", in the input's dtype")
-        how = {"auto": "ATen's conv, one GEMM or (fp32 or bf16, up to 32 positions) the weight-streaming GEMM, "
-                       "whichever was fastest at this shape's first call (cpu_conv 'auto')",
-               "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')",
-               "stream": "im2col + the weight-streaming GEMM (cpu_conv 'stream')" if streams
-                         else "ATen's conv (cpu_conv 'stream' has no half precision)"}[config.cpu_conv]
-        return ConvRoute(name, described, "CPU", how + ", in the input's dtype"
-                         + (", then the fused epilogue" if group_norm else ""))
+        else:
+            how = {"auto": "ATen's conv, one GEMM or (up to 32 positions) the weight-streaming GEMM, "
+                           "whichever was fastest at this shape's first call (cpu_conv 'auto')",
+                   "aten": "ATen's conv (cpu_conv 'aten')", "gemm": "im2col + one GEMM (cpu_conv 'gemm')",
+                   "stream": "im2col + the weight-streaming GEMM (cpu_conv 'stream')" if streams
+                             else "ATen's conv (cpu_conv 'stream' has no fp16)"}[config.cpu_conv]
+        return ConvRoute(name, described, "CPU", how + operands + (", then the fused epilogue" if group_norm else ""))
     # The ops' GEMM N: output positions, or for a transposed conv input positions.
     kernel, stride, padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
     positions = batch * (length if transposed else (length + 2 * padding - kernel) // stride + 1)

@@ -97,12 +97,13 @@ def test_matches_float64_reference(shape, dtype, device):
 
 
 # The CPU's conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing; the
-# streaming GEMM has fp32 and bf16, half precision takes ATen's conv there), on every
-# non-transposed shape: strides, paddings, kernel sizes 1-7, odd batches.
+# streaming GEMM has fp32 and bf16, fp16 takes ATen's conv there; "fp32" is ATen's conv of fp32
+# copies of half-precision operands, the output in their dtype), on every non-transposed shape:
+# strides, paddings, kernel sizes 1-7, odd batches.
 CPU_ROUTE_SHAPES = [s for s in UNET_SHAPES + ODD_SHAPES + BATCH64_SHAPES if not s[7]]
 
 
-@pytest.mark.parametrize("route", ["aten", "gemm", "stream"])
+@pytest.mark.parametrize("route", ["aten", "gemm", "stream", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_every_cpu_route(route, dtype):
     with kernel_config(cpu_conv=route):
@@ -118,7 +119,7 @@ def test_every_cpu_route(route, dtype):
 
 # ... and the transposed ones, which have ATen's route and the streaming GEMM's (k-major, then
 # each tap's products added where they land): strides 1-3, paddings 0-2, a length-1 output.
-@pytest.mark.parametrize("route", ["aten", "stream"])
+@pytest.mark.parametrize("route", ["aten", "stream", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_every_cpu_route_transposed(route, dtype):
     with kernel_config(cpu_conv=route):

@@ -231,12 +231,13 @@ def test_film_and_residual_epilogue(shape, film_layout, dtype, device):
                                    **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("route", ["aten", "gemm", "stream"])
+@pytest.mark.parametrize("route", ["aten", "gemm", "stream", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_every_cpu_route(route, dtype):
     """The CPU's conv routes, each forced (KernelConfig.cpu_conv; "auto" picks one by timing;
-    "stream" has fp32 and bf16, half precision takes ATen's conv there), on the U-Nets' shapes
-    and odd ones, with FiLM and a residual."""
+    "stream" has fp32 and bf16, fp16 takes ATen's conv there; "fp32" is ATen's conv of fp32
+    copies of half-precision operands), on the U-Nets' shapes and odd ones, with FiLM and a
+    residual."""
     g = torch.Generator().manual_seed(11)
     with kernel_config(cpu_conv=route):
         for i, shape in enumerate(UNET_SHAPES + ODD_SHAPES):
@@ -245,7 +246,7 @@ def test_every_cpu_route(route, dtype):
             batch, _, cout, length, _, groups = shape
             poison_allocator("cpu", batch * cout * length, dtype)
             out = ops.conv1d_gn_mish(x, w, b, gamma, beta, groups, film=film, residual=residual)
-            assert not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
+            assert out.dtype == dtype and not out.isnan().any(), "unwritten (poisoned) or NaN outputs"
             torch.testing.assert_close(out.double(), reference(x, w, b, gamma, beta, groups, film, residual),
                                        **TOLERANCES[dtype])
 

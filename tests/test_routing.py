@@ -28,7 +28,7 @@ def test_defaults_and_package_exports():
     ("taps_major_min_work", None, TypeError, "KernelConfig.taps_major_min_work must be an int, got None"),
     ("taps_major_min_work_batch_1", 0, ValueError, "KernelConfig.taps_major_min_work_batch_1 must be in [1, 2**63)"),
     ("cpu_conv", "fast", ValueError,
-     "KernelConfig.cpu_conv must be one of ['auto', 'aten', 'gemm', 'stream'], got 'fast'"),
+     "KernelConfig.cpu_conv must be one of ['auto', 'aten', 'gemm', 'stream', 'fp32'], got 'fast'"),
     ("cpu_conv", None, ValueError, "KernelConfig.cpu_conv must be one of"),
     ("gemm_min_work", 0, ValueError, "KernelConfig.gemm_min_work must be in [1, 2**63), got 0"),
     ("gemm_min_work_positions", "16", TypeError, "KernelConfig.gemm_min_work_positions must be an int"),
@@ -159,6 +159,13 @@ def test_explain_names_every_conv_and_its_route():
         assert all("weight-streaming GEMM (cpu_conv 'stream')" in r.why for r in explain(unet, 1, 16, device="cpu"))
         assert not any("weight-streaming" in r.why
                        for r in explain(unet, 1, 16, dtype=torch.float16, device="cpu"))
+    # Half precision: "auto" times each route on fp32 copies too; "fp32" takes ATen's conv of them.
+    assert all("or on fp32 copies of its operands" in r.why
+               for r in explain(unet, 1, 16, dtype=torch.bfloat16, device="cpu"))
+    assert not any("fp32 copies" in r.why for r in cpu)
+    with kernel_config(cpu_conv="fp32"):
+        assert all("(cpu_conv 'fp32') on fp32 copies of its operands" in r.why
+                   for r in explain(unet, 1, 16, dtype=torch.float16, device="cpu"))
     # A half-precision model's shapes are found with inputs of its dtype.
     assert explain(unet.to(torch.bfloat16), 64, 16, device="cuda") == routes
     with pytest.raises(TypeError, match="unet must be diffusion_policy_accelerated.ConditionalUnet1D"):

@@ -11,7 +11,7 @@ namespace dpa {
 
 // How the CPU ops run a convolution: timed on first use of each shape, or fixed
 // (conv1d/cpu/conv_route_cpu.h).
-enum class CpuConv : int { kAuto = 0, kAten = 1, kGemm = 2, kStream = 3 };
+enum class CpuConv : int { kAuto = 0, kAten = 1, kGemm = 2, kStream = 3, kFloat = 4 };
 
 struct KernelConfig {
   // batch x length from which a conv takes the im2col + cuBLAS route instead of streaming

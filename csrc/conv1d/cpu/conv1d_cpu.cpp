@@ -1,5 +1,5 @@
-// CPU implementations of the conv ops: ATen's conv (oneDNN / BLAS) in the input's dtype, then
-// one fused pass per (batch row, GroupNorm group) for what follows it.
+// CPU implementations of the conv ops: the convolution (conv_route_cpu.h), then one fused pass
+// per (batch row, GroupNorm group) for what follows it.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -22,13 +22,14 @@ std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
   return t->to(at::kFloat).contiguous();
 }
 
-// The convolutions run in the input's dtype, as ATen's conv (the one plain PyTorch runs), one
-// GEMM, or the package's weight-streaming GEMM, whichever was fastest when the shape was first
-// timed on this CPU (conv_route_cpu.h). All accumulate in fp32 and round the output once to the dtype; upcasting
-// half-precision inputs first converted every weight on every call, which made bf16 slower
-// than plain PyTorch. What follows the conv is fused in one vectorised pass per (batch row,
-// group) (epilogue_cpu.h), faster than ATen's GroupNorm, Mish and elementwise kernels one
-// after the other.
+// The convolutions run as ATen's conv (the one plain PyTorch runs), one GEMM, or the package's
+// weight-streaming GEMM, whichever was fastest when the shape was first timed on this CPU
+// (conv_route_cpu.h): in the input's dtype, or a half-precision conv on fp32 copies of its
+// operands where that timed faster. Upcasting every half-precision conv (an earlier version)
+// converted every weight on every call and made bf16 slower than plain PyTorch on the Zen 4 of
+// conv_route_cpu.h, so it is one of the timed routes instead. What follows the conv is fused
+// in one vectorised pass per (batch row, group) (epilogue_cpu.h), faster than ATen's
+// GroupNorm, Mish and elementwise kernels one after the other.
 at::Tensor conv1d_gn_mish_cpu(const at::Tensor& x, const at::Tensor& weight,
                               const std::optional<at::Tensor>& bias,
                               const std::optional<at::Tensor>& gn_weight,
@@ -102,8 +103,9 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor out = transposed ? cpu::conv_transpose1d(x, weight, bias, stride, padding)
                               : cpu::conv1d(x, weight, bias, stride, padding);
   TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
+  // A half-precision conv run in fp32 adds the residual in fp32 and rounds once.
   if (residual.has_value()) out.add_(*residual);
-  return out.contiguous();
+  return out.to(x.scalar_type()).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(

@@ -82,16 +82,24 @@ at::Tensor stream_transposed(const at::Tensor& x, const at::Tensor& weight, cons
 
 enum class Route { kAten, kGemm, kStream };
 
-bool stream_dtype(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
+// A route, and whether a half-precision conv runs it on fp32 copies of its operands (its
+// result then stays fp32; conv_route_cpu.h says when that pays).
+struct Choice {
+  Route route;
+  bool in_float;
+};
 
-// Where the streaming GEMM may be timed: the dtypes it has, and few enough positions (batch x
-// output length; a transposed conv's input length) that the weights' bytes set the time; past
-// that its 4 x 4 blocks re-read the weights from the caches for every 4 positions and lose to
-// the GEMMs.
-bool streams(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding, bool transposed) {
+bool stream_dtype(at::ScalarType dtype) { return dtype == at::kFloat || dtype == at::kBFloat16; }
+
+bool half_precision(const at::Tensor& x) { return x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16; }
+
+// Where the streaming GEMM may be timed: few enough positions (batch x output length; a
+// transposed conv's input length) that the weights' bytes set the time; past that its 4 x 4
+// blocks re-read the weights from the caches for every 4 positions and lose to the GEMMs.
+bool few_positions(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding, bool transposed) {
   constexpr int64_t kMostPositions = 32;
   const int64_t length = transposed ? x.size(2) : (x.size(2) + 2 * padding - weight.size(2)) / stride + 1;
-  return stream_dtype(x) && x.size(0) * length <= kMostPositions;
+  return x.size(0) * length <= kMostPositions;
 }
 
 // A transposed conv has ATen's route and the streaming one (kGemm is ATen's there).
@@ -109,6 +117,16 @@ at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight,
   return aten_conv(x, weight, bias, stride, padding);
 }
 
+at::Tensor run_choice(Choice choice, const at::Tensor& x, const at::Tensor& weight,
+                      const std::optional<at::Tensor>& bias, int64_t stride, int64_t padding, bool transposed) {
+  if (!choice.in_float || x.scalar_type() == at::kFloat) {
+    return run_route(choice.route, x, weight, bias, stride, padding, transposed);
+  }
+  const std::optional<at::Tensor> float_bias =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+  return run_route(choice.route, x.to(at::kFloat), weight.to(at::kFloat), float_bias, stride, padding, transposed);
+}
+
 // dtype, sizes (a transposed weight's C_out is its size(1)), stride, padding, bias, the
 // operands' layouts (a channels-last input or a taps-major weight costs each route
 // differently), threads, transposed.
@@ -120,16 +138,22 @@ using Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t
 // the route chosen before it, to be chosen: timed alone, a route runs with its operands in
 // cache, and on a shared CPU one call's time varies by ~10%; with a 5% margin, layers within
 // a few percent of a tie went to the GEMM and made the lowdim U-Net's fp32 action at batch 8
-// 7% slower than with ATen's conv throughout.
-Route time_routes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  int64_t stride, int64_t padding, bool transposed) {
+// 7% slower than with ATen's conv throughout. A half-precision conv times each route also on
+// fp32 copies, the copies' conversion included.
+Choice time_routes(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                   int64_t stride, int64_t padding, bool transposed) {
   using Clock = std::chrono::steady_clock;
-  std::vector<Route> routes{Route::kAten};
-  if (!transposed) routes.push_back(Route::kGemm);
-  if (streams(x, weight, stride, padding, transposed)) routes.push_back(Route::kStream);
+  std::vector<Choice> routes;
+  for (const bool in_float : {false, true}) {
+    if (in_float && !half_precision(x)) break;
+    routes.push_back({Route::kAten, in_float});
+    if (!transposed) routes.push_back({Route::kGemm, in_float});
+    const bool streams = stream_dtype(in_float ? at::kFloat : x.scalar_type());
+    if (streams && few_positions(x, weight, stride, padding, transposed)) routes.push_back({Route::kStream, in_float});
+  }
   if (routes.size() == 1) return routes[0];
-  const auto run = [&](Route route) { run_route(route, x, weight, bias, stride, padding, transposed).contiguous(); };
-  for (Route route : routes) run(route);
+  const auto run = [&](Choice route) { run_choice(route, x, weight, bias, stride, padding, transposed).contiguous(); };
+  for (Choice route : routes) run(route);
   std::vector<std::array<double, 5>> times(routes.size());
   for (size_t i = 0; i < 5; ++i) {
     for (size_t r = 0; r < routes.size(); ++r) {
@@ -146,17 +170,18 @@ Route time_routes(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return routes[best];
 }
 
-Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-             int64_t stride, int64_t padding, bool transposed) {
+Choice choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+              int64_t stride, int64_t padding, bool transposed) {
   switch (kernel_config().cpu_conv) {
-    case CpuConv::kAten: return Route::kAten;
-    case CpuConv::kGemm: return Route::kGemm;
-    // Forced where it has the dtype; else ATen's conv (half precision).
-    case CpuConv::kStream: return stream_dtype(x) ? Route::kStream : Route::kAten;
+    case CpuConv::kAten: return {Route::kAten, false};
+    case CpuConv::kGemm: return {Route::kGemm, false};
+    // Forced where it has the dtype; else ATen's conv (fp16).
+    case CpuConv::kStream: return {stream_dtype(x.scalar_type()) ? Route::kStream : Route::kAten, false};
+    case CpuConv::kFloat: return {Route::kAten, true};
     case CpuConv::kAuto: break;
   }
   static std::mutex mutex;
-  static std::map<Key, Route> chosen;
+  static std::map<Key, Choice> chosen;
   const Key key{static_cast<int>(x.scalar_type()), x.size(0), x.size(1), x.size(2), weight.size(0), weight.size(1),
                 weight.size(2), stride, padding, bias.has_value(), x.is_contiguous(), weight.is_contiguous(),
                 at::get_num_threads(), transposed};
@@ -166,7 +191,7 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
   }
   // Timed outside the lock: another shape's first call need not wait. Two threads meeting the
   // same new shape both time it; the first to finish decides.
-  const Route route = time_routes(x, weight, bias, stride, padding, transposed);
+  const Choice route = time_routes(x, weight, bias, stride, padding, transposed);
   const std::lock_guard<std::mutex> lock(mutex);
   return chosen.emplace(key, route).first->second;
 }
@@ -175,12 +200,12 @@ Route choose(const at::Tensor& x, const at::Tensor& weight, const std::optional<
 
 at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding) {
-  return run_route(choose(x, weight, bias, stride, padding, false), x, weight, bias, stride, padding, false);
+  return run_choice(choose(x, weight, bias, stride, padding, false), x, weight, bias, stride, padding, false);
 }
 
 at::Tensor conv_transpose1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             int64_t stride, int64_t padding) {
-  return run_route(choose(x, weight, bias, stride, padding, true), x, weight, bias, stride, padding, true);
+  return run_choice(choose(x, weight, bias, stride, padding, true), x, weight, bias, stride, padding, true);
 }
 
 }  // namespace cpu

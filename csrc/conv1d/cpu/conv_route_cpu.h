@@ -12,6 +12,13 @@
 // "auto" the first call of each (shape, dtype, threads) times the routes on its own inputs and
 // keeps the fastest for the process, as cuDNN's benchmark mode does; "aten", "gemm" and
 // "stream" fix the route (they round differently, by ~1e-6 in fp32).
+//
+// A half-precision conv is also timed on fp32 copies of its operands: CPUs without
+// half-precision arithmetic (AVX2's, AVX-512's before its bf16 and fp16 extensions) convert
+// in software, and there converting the operands costs less than the half-precision GEMM
+// loses. On a 2-core AVX2 AMD EPYC (torch 2.11), ATen's bf16 GEMM [256, 1280] x [1280, 1024]
+// took 35-780 ms (by the layout of its operands) against 6.3 ms in fp32. "fp32" fixes that:
+// ATen's conv of fp32 copies.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,12 +29,14 @@ namespace dpa {
 namespace cpu {
 
 // x [B, C_in, L] conv weight [C_out, C_in, K] (+ bias) with stride and symmetric zero padding:
-// [B, C_out, L_out], in x's dtype; not necessarily contiguous.
+// [B, C_out, L_out], in x's dtype, or in fp32 where a half-precision conv ran on fp32 copies;
+// not necessarily contiguous.
 at::Tensor conv1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   int64_t stride, int64_t padding);
 
 // x [B, C_in, L_in] transposed-conv weight [C_in, C_out, K] (+ bias): [B, C_out, L_out], ATen's
-// or the k-major streaming GEMM's, chosen alike (cpu_conv "gemm" is ATen's here).
+// or the k-major streaming GEMM's, chosen alike (cpu_conv "gemm" is ATen's here), in x's
+// dtype or fp32 as above.
 at::Tensor conv_transpose1d(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             int64_t stride, int64_t padding);
 
