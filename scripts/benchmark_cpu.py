@@ -28,7 +28,7 @@ from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.costs import conv1d_cost, conv_transpose1d_cost
 from diffusion_policy_accelerated.profiling import matmul_tflops, read_bandwidth_gbs
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.routing import CPU_CONV_ROUTES, kernel_config
 from diffusion_policy_accelerated.sampler import GraphedSampler
 
 
@@ -87,7 +87,7 @@ def main():
     parser.add_argument("--horizon", type=int, default=HORIZON)
     parser.add_argument("--steps", type=int, default=16, help="DDIM steps of an action")
     parser.add_argument("--reps", type=int, default=9, help="forwards timed per path (actions: a third)")
-    parser.add_argument("--cpu-conv", default="auto", choices=["auto", "aten", "gemm", "stream"],
+    parser.add_argument("--cpu-conv", default="auto", choices=list(CPU_CONV_ROUTES),
                         help="ours with this KernelConfig.cpu_conv ('aten': the conv plain PyTorch runs)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
