@@ -105,7 +105,8 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
   TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
   // A half-precision conv run in fp32 adds the residual in fp32 and rounds once.
   if (residual.has_value()) out.add_(*residual);
-  return out.to(x.scalar_type()).contiguous();
+  // One copy at most: the dtype and a contiguous layout together.
+  return out.to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
 }
 
 std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(
