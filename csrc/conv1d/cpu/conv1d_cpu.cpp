@@ -105,8 +105,10 @@ at::Tensor conv1d_cpu(const at::Tensor& x, const at::Tensor& weight,
   TORCH_INTERNAL_ASSERT(out.size(2) == p.out_length);
   // A half-precision conv run in fp32 adds the residual in fp32 and rounds once.
   if (residual.has_value()) out.add_(*residual);
-  // One copy at most: the dtype and a contiguous layout together.
-  return out.to(x.scalar_type(), /*non_blocking=*/false, /*copy=*/false, at::MemoryFormat::Contiguous);
+  if (out.scalar_type() == x.scalar_type()) return out.contiguous();
+  // One copy for the dtype and the contiguous layout together (Tensor::to keeps a 3-D view's
+  // permuted strides).
+  return at::empty(out.sizes(), out.options().dtype(x.scalar_type())).copy_(out);
 }
 
 std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cpu(
