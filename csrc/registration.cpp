@@ -57,15 +57,15 @@ namespace {
 dpa::KernelConfig kernel_config_of(int64_t gemm_min_positions, int64_t gemm_min_work,
                                    int64_t gemm_min_work_positions, int64_t transposed_gemm_min_work,
                                    int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
-                                   int64_t fp32_gemm_max_splits, bool narrow_gemm, bool half_narrow_gemm,
-                                   bool side_stream, bool clusters, bool pdl, bool cooperative_group_norm,
+                                   int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
+                                   bool pdl, bool cooperative_group_norm,
                                    bool weights_evict_first, int64_t cpu_conv, int64_t sm_count) {
   TORCH_CHECK(cpu_conv >= 0 && cpu_conv <= 4,
               "cpu_conv must be 0 (auto), 1 (aten), 2 (gemm), 3 (stream) or 4 (fp32), got ", cpu_conv);
   TORCH_CHECK(sm_count >= 0, "sm_count must be 0 (the device's) or more, got ", sm_count);
   return dpa::KernelConfig{gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
                            portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits,
-                           narrow_gemm, half_narrow_gemm, side_stream, clusters, pdl,
+                           narrow_gemm, side_stream, clusters, pdl,
                            cooperative_group_norm, weights_evict_first, static_cast<dpa::CpuConv>(cpu_conv),
                            sm_count};
 }
@@ -84,13 +84,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_kernel_config", [](int64_t gemm_min_positions, int64_t gemm_min_work,
                                 int64_t gemm_min_work_positions, int64_t transposed_gemm_min_work,
                                 int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
-                                int64_t fp32_gemm_max_splits, bool narrow_gemm, bool half_narrow_gemm,
-                                bool side_stream, bool clusters, bool pdl, bool cooperative_group_norm,
+                                int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
+                                bool pdl, bool cooperative_group_norm,
                                 bool weights_evict_first, int64_t cpu_conv, int64_t sm_count, bool process_default) {
     const dpa::KernelConfig config = kernel_config_of(
         gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
         portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits, narrow_gemm,
-        half_narrow_gemm, side_stream, clusters, pdl, cooperative_group_norm, weights_evict_first,
+        side_stream, clusters, pdl, cooperative_group_norm, weights_evict_first,
         cpu_conv, sm_count);
     if (process_default) {
       dpa::set_default_kernel_config(config);

@@ -139,11 +139,6 @@ class KernelConfig:
     # / 102.04 / 101.98; batch 2 lowdim 30.65 / 31.45 / 30.54, image 77.52 / 78.28 / 77.49;
     # batch 8 lowdim 54.76 / 55.09 / 54.52, image 103.83 / 103.62 / 103.57.
     narrow_gemm: bool = True
-    # Half-precision convs on the GEMM route with taps-major weights over 8-64 positions (a
-    # long horizon's batch-1 layers), on Hopper: the package's tensor-core GEMM
-    # (csrc/conv1d/cuda/narrow_mma_gemm.cu), which requests each layer's first weights before
-    # the kernel ahead of it has ended (programmatic dependent launch), instead of cuBLAS's.
-    half_narrow_gemm: bool = False
     # Hopper: streaming convs as thread-block clusters (distributed shared memory) instead of
     # split-K blocks and a finishing block; 4-7% per lowdim/image action at batch 1. Also the
     # GEMM route's sliced GroupNorm epilogue (below): a group's slices one cluster, their
@@ -230,8 +225,8 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
     extension.set_kernel_config(config.gemm_min_positions, config.gemm_min_work, config.gemm_min_work_positions,
                                 config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
                                 config.side_stream_fp32_max_positions, config.fp32_gemm_max_splits,
-                                config.narrow_gemm, config.half_narrow_gemm, config.side_stream, config.clusters,
-                                config.pdl, config.cooperative_group_norm, config.weights_evict_first,
+                                config.narrow_gemm, config.side_stream, config.clusters, config.pdl,
+                                config.cooperative_group_norm, config.weights_evict_first,
                                 CPU_CONV_ROUTES.index(config.cpu_conv), config.sm_count or 0, process_default)
 
 

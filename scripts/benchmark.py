@@ -107,9 +107,6 @@ def main():
     parser.add_argument("--taps-major-min-work-batch-1", type=int,
                         help="run ours with this KernelConfig.taps_major_min_work_batch_1 (2**62: no taps-major "
                              "GEMMs at batch 1 below 16 positions)")
-    parser.add_argument("--half-narrow-gemm", choices=["on", "off"],
-                        help="run ours with KernelConfig.half_narrow_gemm on or off (the tensor-core GEMM of "
-                             "long horizons' half-precision layers, or cuBLAS's)")
     parser.add_argument("--portable", action="store_true",
                         help="run ours without thread-block clusters and programmatic dependent launch "
                              "(the path of GPUs before Hopper)")
@@ -120,8 +117,6 @@ def main():
                                                 ("taps_major_min_work", args.taps_major_min_work),
                                                 ("taps_major_min_work_batch_1", args.taps_major_min_work_batch_1))
                if value is not None}
-    if args.half_narrow_gemm:
-        changes["half_narrow_gemm"] = args.half_narrow_gemm == "on"
     if args.portable:
         changes.update(clusters=False, pdl=False)
     with kernel_config(**changes):

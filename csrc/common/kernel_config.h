@@ -36,10 +36,6 @@ struct KernelConfig {
   // fp32 convs on the GEMM route over up to 32 positions: the package's own GEMM
   // (narrow_gemm.cu) instead of cuBLAS's, where gemm_route.h's narrow_gemm_splits takes it.
   bool narrow_gemm;
-  // Half-precision convs on the GEMM route with taps-major weights over 8-64 positions (a
-  // long horizon's batch-1 layers), on Hopper: the package's tensor-core GEMM
-  // (narrow_mma_gemm.cu) instead of cuBLAS's, where gemm_route.h's mma_gemm_plan takes it.
-  bool half_narrow_gemm;
   bool side_stream;
   // Streaming convs, and the GEMM route's sliced GroupNorm epilogue, as thread-block clusters
   // (Hopper) where their plan fits.

@@ -271,27 +271,4 @@ int narrow_gemm_rows();
 int narrow_gemm_stages(int positions);
 void launch_narrow_gemm(const NarrowGemm& g, int stages);
 
-// The GEMM route's half-precision GEMM over few positions on Hopper (narrow_mma_gemm.cu), in
-// place of cuBLAS's where gemm_route.h's mma_gemm_plan takes it: out[m][n] (fp32) = the sum
-// over the reduction of weight[m][k] * cols[k][n], every output whole (a reduction cut into
-// slices is added up inside the launch, in slice order).
-constexpr int kMmaMaxPositions = 64;
-struct MmaGemm {
-  const void* weight;  // [m][red], 16-byte aligned, red % 16 == 0
-  const void* cols;    // [red][positions] contiguous, 16-byte aligned, positions % 8 == 0
-  float* out;          // [m][positions]
-  int m, red, positions;
-  bool weights_evict_first;
-};
-// How a block cuts it: `rows` weight rows (a multiple of 16, at most 128) a block, `splits`
-// blocks a row tile (a cluster, each a slice of split_len reduction elements, whole stages),
-// `stages` stages of its shared-memory ring. rows 0: no plan.
-struct MmaGemmPlan {
-  int rows = 0, splits = 1, split_len = 0, stages = 0;
-  size_t shared_bytes = 0;
-};
-MmaGemmPlan plan_mma_gemm(int m, int red, int positions);
-template <typename T>
-void launch_mma_gemm(const MmaGemm& g, const MmaGemmPlan& plan);
-
 }  // namespace dpa

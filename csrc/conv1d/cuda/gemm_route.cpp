@@ -158,21 +158,6 @@ at::Tensor gemm_rows(const StreamArgs& a, const at::Tensor& weight, GemmForm for
   TORCH_INTERNAL_ASSERT(false, "unknown GemmForm");
 }
 
-// The half-precision narrow GEMM's plan for this GEMM (rows 0: cuBLAS runs it): a taps-major
-// weight's rows over x itself, both read in place as the kernel copies them.
-MmaGemmPlan mma_gemm_plan(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form) {
-  const at::ScalarType dtype = rows.scalar_type();
-  if (!kernel_config().half_narrow_gemm || form != GemmForm::kTapRows ||
-      (dtype != at::kBFloat16 && dtype != at::kHalf) || cols.scalar_type() != dtype || !hopper_launches()) {
-    return {};
-  }
-  if (rows.stride(0) != a.red || rows.stride(1) != 1 || !aligned16(rows) || cols.stride(1) != 1 ||
-      cols.stride(0) != a.positions || !aligned16(cols)) {
-    return {};
-  }
-  return plan_mma_gemm(a.m, a.red, a.positions);
-}
-
 }  // namespace
 
 bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, GemmForm form, bool beside_cublas) {
@@ -191,17 +176,6 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
                        kernel_config().weights_evict_first};
     launch_narrow_gemm(g, narrow_gemm_stages(a.positions));
     return splits > 1 ? out : out.select(0, 0);
-  }
-  if (const MmaGemmPlan plan = mma_gemm_plan(a, rows, cols, form); plan.rows > 0) {
-    at::Tensor out = at::empty({a.m, a.positions}, cols.options().dtype(at::kFloat));
-    const MmaGemm g{rows.data_ptr(), cols.data_ptr(), out.data_ptr<float>(), a.m, a.red, a.positions,
-                    kernel_config().weights_evict_first};
-    if (rows.scalar_type() == at::kBFloat16) {
-      launch_mma_gemm<c10::BFloat16>(g, plan);
-    } else {
-      launch_mma_gemm<c10::Half>(g, plan);
-    }
-    return out;
   }
   if (const int splits = gemm_splits(a, cols, form); splits > 1) {
     // [splits, m, red / splits] x [splits, red / splits, positions], both read in place.
