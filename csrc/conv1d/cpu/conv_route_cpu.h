@@ -16,9 +16,9 @@
 // A half-precision conv is also timed on fp32 copies of its operands: on CPUs without
 // half-precision arithmetic (AVX2's, AVX-512's before its bf16 and fp16 extensions) ATen's
 // half-precision GEMMs and convs run at a fraction of fp32's speed, and converting the
-// operands costs less than that loses. On a 2-core AVX2 AMD EPYC (torch 2.11), ATen's bf16 GEMM [256, 1280] x [1280, 1024]
-// took 35-780 ms (by the layout of its operands) against 6.3 ms in fp32. "fp32" fixes that:
-// ATen's conv of fp32 copies.
+// operands costs less than that loses. On a 2-core AVX2 AMD EPYC (torch 2.11), ATen's bf16
+// GEMM [256, 1280] x [1280, 1024] took 35-780 ms (by the layout of its operands) against 6.3 ms
+// in fp32. "fp32" fixes that: ATen's conv of fp32 copies.
 #pragma once
 
 #include <ATen/ATen.h>
