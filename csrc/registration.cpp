@@ -18,7 +18,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common/launch.h"
-#include "conv1d/cuda/gemm_route.h"
 #include "conv1d/cuda/streaming.h"
 #endif
 
@@ -60,16 +59,14 @@ dpa::KernelConfig kernel_config_of(int64_t gemm_min_positions, int64_t gemm_min_
                                    int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
                                    int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
                                    bool pdl, bool cooperative_group_norm,
-                                   bool weights_evict_first, bool group_norm_gemm, int64_t cpu_conv,
-                                   int64_t sm_count) {
+                                   bool weights_evict_first, int64_t cpu_conv, int64_t sm_count) {
   TORCH_CHECK(cpu_conv >= 0 && cpu_conv <= 4,
               "cpu_conv must be 0 (auto), 1 (aten), 2 (gemm), 3 (stream) or 4 (fp32), got ", cpu_conv);
   TORCH_CHECK(sm_count >= 0, "sm_count must be 0 (the device's) or more, got ", sm_count);
   return dpa::KernelConfig{gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
                            portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits,
                            narrow_gemm, side_stream, clusters, pdl,
-                           cooperative_group_norm, weights_evict_first, group_norm_gemm,
-                           static_cast<dpa::CpuConv>(cpu_conv),
+                           cooperative_group_norm, weights_evict_first, static_cast<dpa::CpuConv>(cpu_conv),
                            sm_count};
 }
 
@@ -89,12 +86,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
                                 int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
                                 bool pdl, bool cooperative_group_norm,
-                                bool weights_evict_first, bool group_norm_gemm, int64_t cpu_conv, int64_t sm_count,
-                                bool process_default) {
+                                bool weights_evict_first, int64_t cpu_conv, int64_t sm_count, bool process_default) {
     const dpa::KernelConfig config = kernel_config_of(
         gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
         portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits, narrow_gemm,
-        side_stream, clusters, pdl, cooperative_group_norm, weights_evict_first, group_norm_gemm,
+        side_stream, clusters, pdl, cooperative_group_norm, weights_evict_first,
         cpu_conv, sm_count);
     if (process_default) {
       dpa::set_default_kernel_config(config);
@@ -110,12 +106,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(conv1d/cuda/streaming.h).");
   m.def("stop_launch_trace", &dpa::stop_launch_trace,
         "Stops tracing launches; returns the blocks (rows) of each launch traced.");
-  m.def("group_norm_gemm_takes", [](int64_t device, int64_t out_channels, int64_t in_channels,
-                                     int64_t kernel_size, int64_t groups, int64_t batch, int64_t length, bool bf16) {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    return dpa::group_norm_gemm_takes(out_channels, in_channels, kernel_size, groups, batch, length, bf16);
-  }, "Whether a half-precision, length-keeping GroupNorm conv of these sizes runs as one tensor-core launch "
-     "on this CUDA device (the model then keeps its weight in Conv1d's layout).");
   m.def("hopper_launches", [](int64_t device) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     return dpa::hopper_launches();

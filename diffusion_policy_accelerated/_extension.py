@@ -12,7 +12,7 @@ import torch
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Ampere (A100; RTX 30xx; Jetson Orin, 8.7: a robot's GPU, given code of its own rather than
 # 8.6's), Ada (RTX 40xx, L4) and Hopper (H100/H200); the PTX of 9.0 lets newer GPUs JIT it.
-DEFAULT_CUDA_ARCHS = "8.0;8.6;8.7;8.9;9.0a;9.0+PTX"
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.7;8.9;9.0+PTX"
 # No FMA contraction: denoise_step is bit-exact. OpenMP: ATen's at::parallel_for is a header
 # whose threads are an `omp parallel` region, so without it the CPU ops ran on one thread
 # (torch links its own libgomp, which the extension then shares).

@@ -114,8 +114,7 @@ def _run_conv(owner: nn.Module, conv: nn.Module, x: torch.Tensor,
 
 def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A Conv1dBlock's conv weight as the ops read it fastest for x: taps-major
-    (ops.taps_major) where that pays (routing.taps_major_pays) and the conv is not one
-    tensor-core launch (routing.group_norm_gemm_takes), else the weight itself.
+    (ops.taps_major) where that pays (routing.taps_major_pays), else the weight itself.
 
     The copy is made once and kept on `owner` until the weight changes: another tensor, or
     an in-place update, which bumps its version (weights made under torch.inference_mode
@@ -124,7 +123,7 @@ def _gemm_route_weight(owner: nn.Module, conv: nn.Conv1d, x: torch.Tensor) -> to
     memory, made only by models run in half precision at batches above 1 or, at batch 1, at
     long horizons."""
     weight = conv.weight
-    if routing.group_norm_gemm_takes(conv, owner.block[1].num_groups, x) or not routing.taps_major_pays(conv, x):
+    if not routing.taps_major_pays(conv, x):
         return weight
     version = None if weight.is_inference() else weight._version
     cached = owner.__dict__.get("_taps_major_weight")

@@ -43,8 +43,7 @@ from typing import Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major_pays", "group_norm_gemm_takes",
-           "block_op_pays",
+__all__ = ["KernelConfig", "kernel_config", "current_kernel_config", "taps_major_pays", "block_op_pays",
            "on_gemm_route", "portable_launches", "ConvRoute", "explain"]
 
 
@@ -158,15 +157,6 @@ class KernelConfig:
     # Streamed weights (each read once per forward) loaded evict-first in L2, keeping the
     # activations, partial sums and code there: 1-4 ms per DDPM-100 action at batch 1.
     weights_evict_first: bool = True
-    # Half-precision GroupNorm convs of the GEMM route as one launch on Hopper's tensor cores
-    # (csrc/conv1d/cuda/group_norm_gemm.cu: the GEMM, the statistics and the epilogue, where
-    # the route otherwise runs cuBLAS's GEMM and an epilogue launch), wherever its plan fits:
-    # a group of 128 or 256 channels, up to 64 positions a batch row, a build with sm_90a
-    # code. Such a conv keeps Conv1d's weight layout (no taps-major copy). Off: per conv it
-    # only tied the taps-major cuBLAS GEMM and its epilogue (2048 -> 2048 over 16 positions,
-    # bf16, H100: 22.9 against 22.9 µs), and LeRobot's U-Net at batch 1, DDPM-100, bf16 lost
-    # at horizons 64 and 128 (on / off: 43.66 / 43.02 ms, 54.62 / 46.22; docs/tried.md).
-    group_norm_gemm: bool = False
     # Taps-major weights (half precision, GroupNorm convs): from this many input channels. At
     # 2 input channels (the U-Nets' first conv) the GEMM over C_in alone was slower (batch 64,
     # bf16: 6.0 against 3.3 µs); from 256 on it was faster for 32 of 36 convs, by up to 43%.
@@ -236,7 +226,7 @@ def _push(extension, config: Optional[KernelConfig], process_default: bool = Fal
                                 config.transposed_gemm_min_work, config.portable_half_gemm_min_positions,
                                 config.side_stream_fp32_max_positions, config.fp32_gemm_max_splits,
                                 config.narrow_gemm, config.side_stream, config.clusters, config.pdl,
-                                config.cooperative_group_norm, config.weights_evict_first, config.group_norm_gemm,
+                                config.cooperative_group_norm, config.weights_evict_first,
                                 CPU_CONV_ROUTES.index(config.cpu_conv), config.sm_count or 0, process_default)
 
 
@@ -406,29 +396,6 @@ def on_gemm_route(conv: nn.Conv1d, x: torch.Tensor) -> bool:
     """Whether `conv` (contiguous weight, keeping x's length) over x takes the CUDA ops' im2col +
     cuBLAS route."""
     return x.is_cuda and _gemm_by_size(conv, x.shape[0] * x.shape[2], x.dtype, current_kernel_config(), x.device)
-
-
-def group_norm_gemm_takes(conv: nn.Conv1d, num_groups: int, x: torch.Tensor) -> bool:
-    """Whether conv (a Conv1dBlock's: stride 1, keeping x's length) with its GroupNorm of
-    num_groups groups, over x, runs as one launch on Hopper's tensor cores (`group_norm_gemm`,
-    where the GEMM route would take it), which reads Conv1d's own weight layout: the model
-    then makes no taps-major copy of that weight."""
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or not on_gemm_route(conv, x):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _group_norm_gemm_takes(conv.out_channels, conv.in_channels, conv.kernel_size[0], num_groups,
-                                  x.shape[0], x.shape[2], x.dtype == torch.bfloat16, index, current_kernel_config())
-
-
-@functools.lru_cache(maxsize=1024)
-def _group_norm_gemm_takes(out_channels: int, in_channels: int, kernel_size: int, groups: int, batch: int,
-                           length: int, bf16: bool, device: int, config: KernelConfig) -> bool:
-    # The extension answers for the calling thread's configuration, which `config` is.
-    from . import ops
-    if not config.group_norm_gemm or not ops.built_with_cuda():
-        return False
-    return bool(ops._C.group_norm_gemm_takes(device, out_channels, in_channels, kernel_size, groups, batch, length,
-                                             bf16))
 
 
 def taps_major_pays(conv: nn.Conv1d, x: torch.Tensor) -> bool:

@@ -110,9 +110,6 @@ def main():
     parser.add_argument("--portable", action="store_true",
                         help="run ours without thread-block clusters and programmatic dependent launch "
                              "(the path of GPUs before Hopper)")
-    parser.add_argument("--group-norm-gemm", choices=["on", "off"],
-                        help="run ours with KernelConfig.group_norm_gemm on or off (half-precision GroupNorm "
-                             "convs of the GEMM route as one tensor-core launch on Hopper)")
     args = parser.parse_args()
     changes = {name: value for name, value in (("gemm_min_positions", args.gemm_min_positions),
                                                 ("gemm_min_work", args.gemm_min_work),
@@ -122,8 +119,6 @@ def main():
                if value is not None}
     if args.portable:
         changes.update(clusters=False, pdl=False)
-    if args.group_norm_gemm:
-        changes.update(group_norm_gemm=args.group_norm_gemm == "on")
     with kernel_config(**changes):
         run(args)
 

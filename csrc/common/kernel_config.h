@@ -46,9 +46,6 @@ struct KernelConfig {
   bool cooperative_group_norm;
   // Streamed weights loaded with an evict-first L2 policy.
   bool weights_evict_first;
-  // Half-precision GroupNorm convs of the GEMM route as one tensor-core launch (Hopper, a
-  // build with sm_90a code) where its plan fits (conv_params.h, GroupNormGemmPlan).
-  bool group_norm_gemm;
   CpuConv cpu_conv;
   // SMs the CUDA launch plans fill (0: the device's): a process confined to fewer (a CUDA
   // green context, an MPS share) sets it, or its waves would be planned for the whole GPU.

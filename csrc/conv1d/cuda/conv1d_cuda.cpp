@@ -118,10 +118,6 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const GemmForm form = gemm_form(p, weight, gemm_route);
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual, form);
   if (gemm_route) {
-    if (const GroupNormGemmPlan plan = group_norm_gemm_plan(c.a, p, c.weight, form); plan.n > 0) {
-      launch_group_norm_gemm(c.a, static_cast<int>(p.in_channels), x.scalar_type() == at::kBFloat16, plan);
-      return c.out;
-    }
     c.a.counters = counters_data(counters);  // a sliced epilogue's, in one launch
     launch_group_norm_epilogue(c.a, x.scalar_type(), conv_as_gemm(c.a, x, c.weight, form), form);
     return c.out;
@@ -186,18 +182,6 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
   if (skip.has_value()) {
     read_skip_in_place(c.a, x, *skip);
     read_skip_in_place(cs.a, x, *skip);
-  }
-  if (const GroupNormGemmPlan plan = gemm_route ? group_norm_gemm_plan(c.a, p, c.weight, form) : GroupNormGemmPlan{};
-      plan.n > 0) {
-    // The shortcut's im2col and GEMM fork off; the first conv is one launch on this stream.
-    SideBranch shortcut(shortcut_on_side_stream(x.scalar_type(), cs.a.positions));
-    shortcut.run([&] {
-      launch_conv_epilogue(cs.a, x.scalar_type(), conv_as_gemm(cs.a, x, cs.weight, GemmForm::kIm2col),
-                           GemmForm::kIm2col);
-    });
-    launch_group_norm_gemm(c.a, static_cast<int>(p.in_channels), x.scalar_type() == at::kBFloat16, plan);
-    shortcut.join();
-    return {c.out, cs.out};
   }
   if (gemm_route) {
     // The first conv's GEMM runs after im2col on this stream; the shortcut's forks off.

@@ -271,22 +271,4 @@ int narrow_gemm_rows();
 int narrow_gemm_stages(int positions);
 void launch_narrow_gemm(const NarrowGemm& g, int stages);
 
-// A GroupNorm conv of the GEMM route in one launch on Hopper's tensor cores
-// (group_norm_gemm.cu): a thread-block cluster per (batch row, group) of `splits` blocks, each
-// streaming the group's weight rows over tiles_per_split tiles of 64 reduction elements through
-// a ring of `stages` tiles, with wgmma's N = n positions (a batch row's, rounded up).
-struct GroupNormGemmPlan {
-  int n = 0;  // 0: no plan
-  int splits = 0, tiles_per_split = 0, stages = 0;
-  size_t shared_bytes = 0;
-  bool vector_input = false;  // the input's rows are staged in 16-byte pieces
-  bool timing_no_mma = false, timing_no_build = false;  // measurement only: wrong results
-};
-// The plan for a's GroupNorm conv over `in_channels` input channels (Conv1d weight layout,
-// half precision: bf16 or fp16), where KernelConfig.group_norm_gemm allows it, the GPU is a
-// Hopper, the build has sm_90a code, and the group (128 or 256 channels) and the
-// positions (up to 64 a batch row) fit; else n == 0.
-GroupNormGemmPlan plan_group_norm_gemm(const StreamArgs& a, int in_channels, bool bf16);
-void launch_group_norm_gemm(const StreamArgs& a, int in_channels, bool bf16, const GroupNormGemmPlan& plan);
-
 }  // namespace dpa

@@ -81,27 +81,6 @@ void set_gemm_view(StreamArgs& a, const ConvProblem& p, GemmForm form) {
   a.positions = static_cast<int>(p.batch * (tap_rows ? p.in_length : p.out_length));
 }
 
-GroupNormGemmPlan group_norm_gemm_plan(const StreamArgs& a, const ConvProblem& p, const at::Tensor& weight,
-                                       GemmForm form) {
-  if (form != GemmForm::kIm2col || weight.scalar_type() == at::kFloat || !weight.is_contiguous()) return {};
-  return plan_group_norm_gemm(a, static_cast<int>(p.in_channels), weight.scalar_type() == at::kBFloat16);
-}
-
-bool group_norm_gemm_takes(int64_t out_channels, int64_t in_channels, int64_t kernel_size, int64_t groups,
-                           int64_t batch, int64_t length, bool bf16) {
-  if (groups <= 0 || out_channels % groups != 0 || kernel_size % 2 == 0) return false;
-  StreamArgs a{};
-  a.batch = static_cast<int>(batch);
-  a.cout = static_cast<int>(out_channels);
-  a.lin = a.lout = static_cast<int>(length);
-  a.ksize = static_cast<int>(kernel_size);
-  a.stride = 1;
-  a.pad = a.ksize / 2;
-  a.groups = static_cast<int>(groups);
-  a.x_split = static_cast<int>(in_channels);
-  return plan_group_norm_gemm(a, static_cast<int>(in_channels), bf16).n > 0;
-}
-
 at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form) {
   if (form != GemmForm::kTapRows || a.x2) return at::Tensor();
   if (x.size(0) == 1 && (x.stride(2) == 1 || x.stride(1) == 1)) return x.select(0, 0);

@@ -36,15 +36,6 @@ bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transpos
 // turning both off (routing.portable_launches).
 bool portable_launches();
 
-// A GroupNorm conv's plan for one tensor-core launch (group_norm_gemm.cu) on the GEMM route:
-// Conv1d's weight layout (the im2col form), contiguous, half precision; else n == 0.
-GroupNormGemmPlan group_norm_gemm_plan(const StreamArgs& a, const ConvProblem& p, const at::Tensor& weight,
-                                       GemmForm form);
-// Whether that launch takes a stride-1, length-keeping GroupNorm conv of these sizes on the
-// current device (the model keeps such a conv's weight in Conv1d's layout).
-bool group_norm_gemm_takes(int64_t out_channels, int64_t in_channels, int64_t kernel_size, int64_t groups,
-                           int64_t batch, int64_t length, bool bf16);
-
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
 // view of its weight (the same but for kTapRows, which the streaming kernels do not read).
 GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route);

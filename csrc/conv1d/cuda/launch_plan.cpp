@@ -102,7 +102,7 @@ bool cooperative_fits(const void* kernel, int blocks) {
 }
 
 // Cached: the occupancy query is not free, and a U-Net asks about few shapes.
-bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, int clusters, int threads) {
+bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, int clusters) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void*, int, size_t>, int> resident;
   const int device = c10::cuda::current_device();
@@ -111,7 +111,7 @@ bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, i
   auto found = resident.find(key);
   if (found == resident.end()) {
     set_kernel_attributes(kernel, cluster_blocks, shared_bytes);
-    LaunchConfig launch(dim3(cluster_blocks * clusters), dim3(threads), shared_bytes);
+    LaunchConfig launch(dim3(cluster_blocks * clusters), dim3(kThreads), shared_bytes);
     launch.clusters(cluster_blocks);
     int n = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, launch.get()));

@@ -56,9 +56,9 @@ ClusterPairLaunch plan_cluster_pair(StreamArgs& a, StreamArgs& b, at::ScalarType
 // the SM budget and the current context's SMs (a green context's).
 bool cooperative_fits(const void* kernel, int blocks);
 
-// Whether `clusters` clusters of `cluster_blocks` blocks of `kernel` (`threads` threads,
+// Whether `clusters` clusters of `cluster_blocks` blocks of `kernel` (kThreads threads,
 // shared_bytes of dynamic shared memory) can all be resident at once on the SM budget.
-bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, int clusters, int threads = kThreads);
+bool clusters_fit(const void* kernel, int cluster_blocks, size_t shared_bytes, int clusters);
 
 // What a launch of `kernel` must opt into: beyond 48 KB of static + dynamic shared memory,
 // and clusters beyond the portable 8 blocks.
