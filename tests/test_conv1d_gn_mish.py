@@ -251,6 +251,34 @@ def test_every_cpu_route(route, dtype):
                                        **TOLERANCES[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cpu_fp32_copies_follow_the_weight(dtype):
+    """The CPU's "fp32" route keeps an fp32 copy of a half-precision weight across calls
+    (conv_route_cpu.cpp, FloatCopies): a weight changed in place, replaced by another tensor,
+    or made under torch.inference_mode (no version counter) must still be the one convolved."""
+    shape = (1, 64, 32, 16, 5, 4)
+    g = torch.Generator().manual_seed(12)
+    x, w, b, gamma, beta = make_inputs(shape, dtype, "cpu", g)
+
+    def check_with(weight):
+        out = ops.conv1d_gn_mish(x, weight, b, gamma, beta, 4)
+        torch.testing.assert_close(out.double(), reference(x, weight, b, gamma, beta, 4), **TOLERANCES[dtype])
+        return out
+
+    with kernel_config(cpu_conv="fp32"):
+        first = check_with(w)
+        assert torch.equal(check_with(w), first), "the same weight gave other bits"
+        w.mul_(-1.5)  # in place: its version counter moves
+        assert not torch.equal(check_with(w), first)
+        check_with(torch.randn(w.shape, generator=g).to(dtype))  # another tensor
+        with torch.inference_mode():
+            inference_w = torch.randn(w.shape, generator=g).to(dtype)
+        check_with(inference_w)
+        with torch.inference_mode():
+            inference_w.mul_(-2.0)
+        check_with(inference_w)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_counters_are_left_zero_and_reusable(device):
     g = torch.Generator().manual_seed(7)
