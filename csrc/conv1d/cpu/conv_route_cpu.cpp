@@ -126,9 +126,10 @@ at::Tensor run_route(Route route, const at::Tensor& x, const at::Tensor& weight,
 // lives (a weak reference: no other tensor can take the weight's address meanwhile) and is
 // unchanged (its version counter, which in-place ops bump, as optimisers' and
 // load_state_dict's do; writes through `.data` do not, as for ConditionalUnet1D's taps-major
-// copies), and is dropped once either fails, or when the conv's route is not run on fp32
-// copies after all (forget). Weights made under torch.inference_mode have no version counter:
-// they are converted on every call.
+// copies). A changed weight's copy is replaced at its next call, a dead weight's dropped at the
+// next conversion of any weight, and a weight's whose conv's route turns out not to run on
+// fp32 copies at once (forget). Weights made under torch.inference_mode have no version
+// counter: they are converted on every call.
 class FloatCopies {
  public:
   at::Tensor get(const at::Tensor& weight) {
