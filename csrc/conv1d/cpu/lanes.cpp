@@ -13,6 +13,8 @@ int widest_lanes() {
     __builtin_cpu_init();
     if (most >= 16 && __builtin_cpu_supports("avx512f")) return 16;
     if (most >= 8 && __builtin_cpu_supports("avx2")) return 8;
+#else
+    (void)most;  // 4 lanes (NEON) is the widest elsewhere
 #endif
     return 4;
   }();
