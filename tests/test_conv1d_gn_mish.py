@@ -647,8 +647,11 @@ def test_cpu_kernels_at_every_vector_width(lanes):
 
 
 def lanes_env(lanes):
-    """The environment with DPA_CPU_VECTOR_LANES set to `lanes` (None: unset, the widest)."""
+    """The environment with DPA_CPU_VECTOR_LANES set to `lanes` (None: unset, the widest), and
+    the repository on PYTHONPATH (the package may be built in place, not installed)."""
     env = {k: v for k, v in os.environ.items() if k != "DPA_CPU_VECTOR_LANES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent)]
+                                        + [p for p in [os.environ.get("PYTHONPATH")] if p])
     return env if lanes is None else dict(env, DPA_CPU_VECTOR_LANES=str(lanes))
 
 
