@@ -3,6 +3,7 @@
 #include "conv1d/cuda/gemm_route.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Exceptions.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -158,6 +159,33 @@ at::Tensor gemm_rows(const StreamArgs& a, const at::Tensor& weight, GemmForm for
   TORCH_INTERNAL_ASSERT(false, "unknown GemmForm");
 }
 
+// rows [m, k] x cols [k, n], both in half precision, summed into an fp32 result: the one
+// cuBLAS call (cublasGemmEx, fp32 compute, on torch's handle, stream and workspace) that
+// at::mm(rows, cols, at::kFloat) makes from torch 2.8 on. Made here so that torch 2.4-2.7,
+// which lack that overload, build the same op. Each operand is read in place where one of its
+// strides is 1 (a transposed view becomes the GEMM's transpose flag).
+at::Tensor mm_float_out(at::Tensor rows, at::Tensor cols) {
+  const auto in_place = [](at::Tensor& t) {
+    if (t.stride(1) != 1 && t.stride(0) != 1) t = t.contiguous();
+    return t.stride(1) == 1;  // row-major: a column-major matrix of the transposed shape
+  };
+  const bool rows_n = in_place(rows), cols_n = in_place(cols);
+  const int64_t m = rows.size(0), k = rows.size(1), n = cols.size(1);
+  const int64_t lda = cols_n ? cols.stride(0) : cols.stride(1), ldb = rows_n ? rows.stride(0) : rows.stride(1);
+  TORCH_CHECK(std::max({m, k, n, std::max<int64_t>(lda, 1), std::max<int64_t>(ldb, 1)}) <= std::numeric_limits<int>::max(),
+              "conv1d on the GEMM route: a GEMM of ", m, " x ", k, " x ", n, " is past cuBLAS's 32-bit sizes");
+  at::Tensor out = at::empty({m, n}, cols.options().dtype(at::kFloat));
+  const float alpha = 1.f, beta = 0.f;
+  const cudaDataType_t type = rows.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
+  // Column-major, out^T [n, m] = cols^T [n, k] x rows^T [k, m].
+  TORCH_CUDABLAS_CHECK(cublasGemmEx(at::cuda::getCurrentCUDABlasHandle(), cols_n ? CUBLAS_OP_N : CUBLAS_OP_T,
+                                    rows_n ? CUBLAS_OP_N : CUBLAS_OP_T, static_cast<int>(n), static_cast<int>(m),
+                                    static_cast<int>(k), &alpha, cols.data_ptr(), type, static_cast<int>(lda),
+                                    rows.data_ptr(), type, static_cast<int>(ldb), &beta, out.data_ptr(), CUDA_R_32F,
+                                    static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP));
+  return out;
+}
+
 }  // namespace
 
 bool takes_narrow_gemm(const StreamArgs& a, const at::Tensor& weight, GemmForm form, bool beside_cublas) {
@@ -183,7 +211,7 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
     return at::bmm(rows.unflatten(1, {splits, depth}).transpose(0, 1), cols.unflatten(0, {splits, depth}));
   }
   if (form == GemmForm::kIm2col || cols.scalar_type() == at::kFloat) return at::mm(rows, cols).contiguous();
-  return at::mm(rows, cols, at::kFloat).contiguous();
+  return mm_float_out(rows, cols);
 }
 
 at::Tensor conv_as_gemm(const StreamArgs& a, const at::Tensor& x, const at::Tensor& weight, GemmForm form) {
