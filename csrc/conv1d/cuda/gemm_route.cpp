@@ -162,18 +162,22 @@ at::Tensor gemm_rows(const StreamArgs& a, const at::Tensor& weight, GemmForm for
 // rows [m, k] x cols [k, n], both in half precision, summed into an fp32 result: the one
 // cuBLAS call (cublasGemmEx, fp32 compute, on torch's handle, stream and workspace) that
 // at::mm(rows, cols, at::kFloat) makes from torch 2.8 on. Made here so that torch 2.4-2.7,
-// which lack that overload, build the same op. Each operand is read in place where one of its
-// strides is 1 (a transposed view becomes the GEMM's transpose flag).
+// which lack that overload, build the same op.
 at::Tensor mm_float_out(at::Tensor rows, at::Tensor cols) {
-  const auto in_place = [](at::Tensor& t) {
-    if (t.stride(1) != 1 && t.stride(0) != 1) t = t.contiguous();
-    return t.stride(1) == 1;  // row-major: a column-major matrix of the transposed shape
+  // An operand [r, c] is read in place as cuBLAS's column-major c x r ("N", leading dimension
+  // stride(0)) or as the transpose of its r x c ("T", stride(1)) where the strides allow it
+  // (a size-1 dimension's stride can be anything); else it is copied.
+  const auto as_n = [](at::Tensor& t) {
+    const bool n = t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1);
+    const bool tr = t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(t.size(0), 1);
+    if (!n && !tr) t = t.contiguous();
+    return n || !tr;
   };
-  const bool rows_n = in_place(rows), cols_n = in_place(cols);
+  const bool rows_n = as_n(rows), cols_n = as_n(cols);
   const int64_t m = rows.size(0), k = rows.size(1), n = cols.size(1);
-  const int64_t lda = cols_n ? cols.stride(0) : cols.stride(1), ldb = rows_n ? rows.stride(0) : rows.stride(1);
-  TORCH_CHECK(std::max({m, k, n, std::max<int64_t>(lda, 1), std::max<int64_t>(ldb, 1)}) <= std::numeric_limits<int>::max(),
-              "conv1d on the GEMM route: a GEMM of ", m, " x ", k, " x ", n, " is past cuBLAS's 32-bit sizes");
+  const int64_t lda = cols.stride(cols_n ? 0 : 1), ldb = rows.stride(rows_n ? 0 : 1);
+  TORCH_CHECK(std::max({m, k, n, lda, ldb}) <= std::numeric_limits<int>::max(), "conv1d on the GEMM route: a GEMM of ",
+              m, " x ", k, " x ", n, " is past cuBLAS's 32-bit sizes");
   at::Tensor out = at::empty({m, n}, cols.options().dtype(at::kFloat));
   const float alpha = 1.f, beta = 0.f;
   const cudaDataType_t type = rows.scalar_type() == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F;
