@@ -1,9 +1,12 @@
-"""Builds `diffusion_policy_accelerated._C`: CPU + CUDA kernels when a CUDA build of torch and
-the CUDA toolkit are both present, CPU kernels only otherwise (it says which).
+"""Builds `diffusion_policy_accelerated._C`: the CPU kernels, and the CUDA kernels for what this
+machine needs (kernels/library.py, plan_build): the archs of TORCH_CUDA_ARCH_LIST where it is
+set, else those of the visible GPUs, else none (CPU-only). It prints the decision and records
+it beside the library (_C.build.json), where the demo reads it.
 
 Install with `pip install --no-build-isolation -e .` (the build needs the torch you run with;
-add -v to watch each file compile). Environment: TORCH_CUDA_ARCH_LIST picks GPU archs (default:
-_extension.DEFAULT_CUDA_ARCHS); DPA_CPU_ONLY=1 skips CUDA; MAX_JOBS limits parallel compiles.
+add -v to see the decision and each file's [n/N] compile line). Environment:
+TORCH_CUDA_ARCH_LIST picks GPU archs; DPA_CPU_ONLY=1 skips CUDA; MAX_JOBS limits parallel
+compiles.
 
 Objects are kept in build/ between installs, and ninja recompiles only what changed, so
 reinstalling after an edit (or with no change) takes seconds, not the first build's minutes.
@@ -21,8 +24,8 @@ root = Path(__file__).resolve().parent
 # The build settings live with the JIT loader so both build the same thing; setuptools'
 # PEP 517 backend does not put the project on sys.path by itself.
 sys.path.insert(0, str(root))
-from diffusion_policy_accelerated._extension import (CSRC, CXX_FLAGS, DEFAULT_CUDA_ARCHS, LD_FLAGS,  # noqa: E402
-                                                     NVCC_FLAGS, cuda_build_reason, sources)
+from diffusion_policy_accelerated.kernels.library import (CSRC, CXX_FLAGS, LD_FLAGS, NVCC_FLAGS,  # noqa: E402
+                                                          current_build_plan, sources, write_build_record)
 
 
 class PersistentBuildExtension(BuildExtension):
@@ -36,27 +39,33 @@ class PersistentBuildExtension(BuildExtension):
 
     def build_extensions(self):
         count = len(self.extensions[0].sources)
-        print(f"diffusion_policy_accelerated: compiling {count} sources into {self.build_temp} (the "
-              "first CUDA build takes about 7 minutes on 2 cores for the default archs; later builds "
-              "recompile only what changed; MAX_JOBS limits parallel compiles)", flush=True)
+        print(f"diffusion_policy_accelerated: compiling {count} sources into {self.build_temp}: minutes the "
+              "first time (the CPU kernels alone are about 440 s of CPU time, and each CUDA arch adds an nvcc "
+              "compile of every CUDA source); later builds recompile only what changed; MAX_JOBS limits "
+              "parallel compiles", flush=True)
         super().build_extensions()
 
+    def run(self):
+        super().run()  # builds, then (in place, as an editable install) copies the library to the package
+        # Beside the library where it ends up: the package, or the build folder a wheel is made of.
+        record = write_build_record(plan, self.get_ext_fullpath(self.extensions[0].name))
+        print(f"diffusion_policy_accelerated: built: {plan.describe()} (recorded in {record})", flush=True)
 
-with_cuda = cuda_build_reason() is None
-extra = {"cxx": CXX_FLAGS + (["-DDPA_WITH_CUDA"] if with_cuda else [])}
-if with_cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+
+plan = current_build_plan()
+extra = {"cxx": CXX_FLAGS + (["-DDPA_WITH_CUDA"] if plan.with_cuda else [])}
+if plan.with_cuda:
+    # What torch's build reads; set here so that the archs printed are the archs built.
+    os.environ["TORCH_CUDA_ARCH_LIST"] = plan.archs
     extra["nvcc"] = NVCC_FLAGS + ["-DDPA_WITH_CUDA"]
-    print(f"diffusion_policy_accelerated: building CPU + CUDA kernels (torch {torch.__version__}, "
-          f"CUDA_HOME={CUDA_HOME}, archs {os.environ['TORCH_CUDA_ARCH_LIST']})", flush=True)
-else:
-    print(f"diffusion_policy_accelerated: building CPU kernels only ({cuda_build_reason()})", flush=True)
+print(f"diffusion_policy_accelerated: building: {plan.describe()}; torch {torch.__version__}"
+      + (f", CUDA_HOME={CUDA_HOME}" if plan.with_cuda else ""), flush=True)
 
 setup(
     packages=find_packages(include=["diffusion_policy_accelerated", "diffusion_policy_accelerated.*"]),
-    ext_modules=[(CUDAExtension if with_cuda else CppExtension)(
+    ext_modules=[(CUDAExtension if plan.with_cuda else CppExtension)(
         "diffusion_policy_accelerated._C",
-        [str(Path(p).relative_to(root)) for p in sources(with_cuda)],
+        [str(Path(p).relative_to(root)) for p in sources(plan.with_cuda)],
         include_dirs=[str(CSRC)],
         extra_compile_args=extra,
         extra_link_args=LD_FLAGS)],

@@ -1,7 +1,8 @@
 // The op schemas (one TORCH_LIBRARY for the `dpa` namespace) and the Python module that
 // loads them. Implementations register per device beside their kernels (<op>/cpu/,
 // <op>/cuda/); fake implementations for torch.compile live in
-// diffusion_policy_accelerated/ops.py.
+// diffusion_policy_accelerated/kernels/ops.py. The route questions, which take no tensors,
+// are defined with their one kernel in conv1d/conv_route_op.cpp.
 //
 // `counters` (optional, CUDA): an int32 tensor of >= out_channels zeros on x's device (for
 // conv1d_gn_mish_shortcut >= out_channels + shortcut channels: the conv's, then the shortcut's;
@@ -12,6 +13,10 @@
 // same time (on two streams).
 #include <torch/extension.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
 
 #include "common/kernel_config.h"
 #ifdef DPA_WITH_CUDA
@@ -53,21 +58,32 @@ TORCH_LIBRARY(dpa, m) {
 
 namespace {
 
-// KernelConfig from the Python dataclass's fields (routing.KernelConfig, which validates them).
-dpa::KernelConfig kernel_config_of(int64_t gemm_min_positions, int64_t gemm_min_work,
-                                   int64_t gemm_min_work_positions, int64_t transposed_gemm_min_work,
-                                   int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
-                                   int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
-                                   bool pdl, bool cooperative_group_norm,
-                                   bool weights_evict_first, int64_t cpu_conv, int64_t sm_count) {
-  TORCH_CHECK(cpu_conv >= 0 && cpu_conv <= 4,
-              "cpu_conv must be 0 (auto), 1 (aten), 2 (gemm), 3 (stream) or 4 (fp32), got ", cpu_conv);
-  TORCH_CHECK(sm_count >= 0, "sm_count must be 0 (the device's) or more, got ", sm_count);
-  return dpa::KernelConfig{gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
-                           portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits,
-                           narrow_gemm, side_stream, clusters, pdl,
-                           cooperative_group_norm, weights_evict_first, static_cast<dpa::CpuConv>(cpu_conv),
-                           sm_count};
+// KernelConfig from the Python dataclass's fields by name (kernels/config.py, which validates
+// their values): exactly kernel_config_fields() and cpu_conv.
+dpa::KernelConfig kernel_config_of(const py::dict& values) {
+  dpa::KernelConfig config{};
+  size_t used = 0;
+  const auto value = [&](const char* name) {
+    TORCH_CHECK_VALUE(values.contains(name), "set_kernel_config: no field ", name);
+    ++used;
+    return values[name];
+  };
+  for (const dpa::KernelConfigField& field : dpa::kernel_config_fields()) {
+    if (field.flag != nullptr) {
+      config.*field.flag = value(field.name).cast<bool>();
+    } else {
+      const py::object v = value(field.name);
+      config.*field.integer = v.is_none() ? 0 : v.cast<int64_t>();  // sm_count None: the device's
+    }
+  }
+  const std::string cpu_conv = value("cpu_conv").cast<std::string>();
+  const auto& names = dpa::cpu_conv_names();
+  const auto found = std::find(names.begin(), names.end(), cpu_conv);
+  TORCH_CHECK_VALUE(found != names.end(), "set_kernel_config: unknown cpu_conv ", cpu_conv);
+  config.cpu_conv = static_cast<dpa::CpuConv>(found - names.begin());
+  TORCH_CHECK_VALUE(used == values.size(), "set_kernel_config: ", values.size() - used, " unknown fields");
+  TORCH_CHECK_VALUE(config.sm_count >= 0, "sm_count must be None (the device's) or positive");
+  return config;
 }
 
 }  // namespace
@@ -80,24 +96,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "Whether this build contains the CUDA implementations.");
-  // Used by diffusion_policy_accelerated.routing, which owns the configuration's fields.
-  m.def("set_kernel_config", [](int64_t gemm_min_positions, int64_t gemm_min_work,
-                                int64_t gemm_min_work_positions, int64_t transposed_gemm_min_work,
-                                int64_t portable_half_gemm_min_positions, int64_t side_stream_fp32_max_positions,
-                                int64_t fp32_gemm_max_splits, bool narrow_gemm, bool side_stream, bool clusters,
-                                bool pdl, bool cooperative_group_norm,
-                                bool weights_evict_first, int64_t cpu_conv, int64_t sm_count, bool process_default) {
-    const dpa::KernelConfig config = kernel_config_of(
-        gemm_min_positions, gemm_min_work, gemm_min_work_positions, transposed_gemm_min_work,
-        portable_half_gemm_min_positions, side_stream_fp32_max_positions, fp32_gemm_max_splits, narrow_gemm,
-        side_stream, clusters, pdl, cooperative_group_norm, weights_evict_first,
-        cpu_conv, sm_count);
+  // Used by diffusion_policy_accelerated.kernels.config, which owns the configuration's defaults.
+  m.def("kernel_config_fields", [] {
+    std::vector<std::string> names;
+    for (const dpa::KernelConfigField& field : dpa::kernel_config_fields()) names.emplace_back(field.name);
+    names.emplace_back("cpu_conv");
+    return names;
+  }, "The names of the kernel configuration's fields.");
+  m.def("cpu_conv_names", &dpa::cpu_conv_names, "The values KernelConfig.cpu_conv takes.");
+  m.def("set_kernel_config", [](const py::dict& values, bool process_default) {
+    const dpa::KernelConfig config = kernel_config_of(values);
     if (process_default) {
       dpa::set_default_kernel_config(config);
     } else {
       dpa::set_thread_kernel_config(&config);
     }
-  }, "Sets the kernel configuration: the process default, or the calling thread's override.");
+  }, "Sets the kernel configuration from its fields by name: the process default, or the calling thread's "
+     "override.");
   m.def("clear_thread_kernel_config", [] { dpa::set_thread_kernel_config(nullptr); },
         "Drops the calling thread's override: the process default applies again.");
 #ifdef DPA_WITH_CUDA

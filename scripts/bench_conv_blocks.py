@@ -23,10 +23,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.configs import UNETS, distinct_block_shapes
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, graph_time_ms, weight_copies
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.configs import UNETS, distinct_block_shapes
+from diffusion_policy_accelerated.tools.profiling import copy_bandwidth_gbs, graph_time_ms, weight_copies
+from diffusion_policy_accelerated.kernels.config import kernel_config
 
 # The U-Nets' labels in the table, with their widths (LeRobot's has the image U-Net's).
 WIDTHS = {f"{name} [{','.join(map(str, UNETS[name]['down_dims']))}]": UNETS[name]["down_dims"]

@@ -26,10 +26,10 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, median_ms, plot_grouped_bars
-from diffusion_policy_accelerated.routing import kernel_config
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.tools.profiling import copy_bandwidth_gbs, median_ms, plot_grouped_bars
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 
 SCHEDULES = {"DDPM-100": (DDPMScheduler, 100), "DDIM-16": (DDIMScheduler, 16)}
 

@@ -25,11 +25,11 @@ from diffusers import DDIMScheduler
 from benchmark import dp_loop
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.costs import conv1d_cost, conv_transpose1d_cost
-from diffusion_policy_accelerated.profiling import matmul_tflops, read_bandwidth_gbs
-from diffusion_policy_accelerated.routing import CPU_CONV_ROUTES, kernel_config
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.tools.costs import conv1d_cost, conv_transpose1d_cost
+from diffusion_policy_accelerated.tools.profiling import matmul_tflops, read_bandwidth_gbs
+from diffusion_policy_accelerated.kernels.config import CPU_CONV_ROUTES, kernel_config
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 
 
 def interleaved_ms(first, second, reps):

@@ -33,7 +33,7 @@ from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig
 from lerobot.policies.diffusion.modeling_diffusion import DiffusionPolicy
 
 from diffusion_policy_accelerated import accelerate
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs, plot_grouped_bars, wall_ms
+from diffusion_policy_accelerated.tools.profiling import copy_bandwidth_gbs, plot_grouped_bars, wall_ms
 
 IMAGE, STATE, ACTION = (3, 96, 96), 2, 2
 DEFAULT_STEPS = {"DDPM": 100, "DDIM": 16}

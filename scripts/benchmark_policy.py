@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes  # noqa: E402
 
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate  # noqa: E402
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.profiling import plot_grouped_bars, wall_ms  # noqa: E402
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+from diffusion_policy_accelerated.tools.profiling import plot_grouped_bars, wall_ms  # noqa: E402
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
 POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras

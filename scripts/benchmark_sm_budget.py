@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import SCHEDULES, graphed_pytorch_loop, loop_inputs  # noqa: E402
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.profiling import median_ms  # noqa: E402
-from diffusion_policy_accelerated.routing import kernel_config  # noqa: E402
-from diffusion_policy_accelerated.sampler import GraphedSampler  # noqa: E402
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+from diffusion_policy_accelerated.tools.profiling import median_ms  # noqa: E402
+from diffusion_policy_accelerated.kernels.config import kernel_config  # noqa: E402
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler  # noqa: E402
 
 METHODS = ("graph", "ours", "ours portable", "ours unplanned")
 

@@ -1,6 +1,6 @@
 """Checks the profiler's byte formulas against the hardware: Nsight Compute's DRAM bytes and
 duration for every streaming conv kernel of one fused U-Net forward, next to the bytes that
-`diffusion_policy_accelerated.profiling` counts for the same op.
+`diffusion_policy_accelerated.tools.profiling` counts for the same op.
 
     python scripts/ncu_unet.py [--unet lowdim|image] [--batch 1] [--csv FILE]
 
@@ -18,10 +18,11 @@ import subprocess
 import sys
 
 import torch
-from diffusion_policy_accelerated import ConditionalUnet1D, ops
-from diffusion_policy_accelerated.configs import HORIZON, UNETS
-from diffusion_policy_accelerated.costs import conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost, fused_conv1d_cost
-from diffusion_policy_accelerated.profiling import copy_bandwidth_gbs
+from diffusion_policy_accelerated import ConditionalUnet1D
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.configs import HORIZON, UNETS
+from diffusion_policy_accelerated.tools.costs import conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost, fused_conv1d_cost
+from diffusion_policy_accelerated.tools.profiling import copy_bandwidth_gbs
 
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum")
 

@@ -10,9 +10,10 @@ Prints, and writes to --out as {mode}_report.txt: the measured peaks; the coarse
 one action (U-Net, scheduler steps, everything else; synchronised wall time; a CUDA graph is
 one row); the top ops (CPU) or kernels (CUDA) with the layers that ran them; on CUDA the GPU
 time split (compute / memcpy+memset / idle); the per-op roofline table; the autograd
-profiler's per-op table; a cProfile of one U-Net forward. Also writes {mode}_trace.json
-(chrome://tracing or ui.perfetto.dev; every module call is a range named like
-down.0.res0.block0), {mode}_roofline.csv and .png, {mode}_forward.prof, and
+profiler's per-op table; a cProfile of one U-Net forward. Long kernel names are shortened in
+the tables (tools/profiling.py, short_name). Also writes {mode}_trace.json (chrome://tracing
+or ui.perfetto.dev; every module call is a range named like down.0.res0.block0),
+{mode}_top.csv (the top table, whole names), {mode}_roofline.csv and .png, {mode}_forward.prof, and
 {mode}_forward.png where gprof2dot and Graphviz are installed.
 
     python scripts/profile_action.py --mode {eager,graph,ours} [--device cuda|cpu] [--unet lowdim|image]
@@ -25,11 +26,11 @@ import torch
 from benchmark import graphed_pytorch_loop
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.profiling import (
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.tools.profiling import (
     BREAKDOWN_COLUMNS, TOP_COLUMNS, Phases, analyse, call_graph_png, cprofile_call, format_gpu_split,
     format_table, measure_peaks, plot_roofline, record_trace, time_breakdown, write_csv)
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 
 ROWS_SHOWN = 25
 
@@ -137,9 +138,10 @@ def main(argv=None):
                                    output("trace.json"))
         analysis = analyse(trace, peaks)
         timed = "kernels and copies" if analysis.on_gpu else "CPU ops"
-        emit(f"\ntop {timed} of one action (trace: {output('trace.json')})"
-             + ("" if analysis.on_gpu else "; outermost ops, each with the ops it calls") + "\n"
-             + format_table(analysis.top, TOP_COLUMNS, limit=ROWS_SHOWN))
+        write_csv(analysis.top, output("top.csv"), TOP_COLUMNS)
+        emit(f"\ntop {timed} of one action (trace: {output('trace.json')}; all rows, whole names: "
+             f"{output('top.csv')})" + ("" if analysis.on_gpu else "; outermost ops, each with the ops it calls")
+             + "\n" + format_table(analysis.top, TOP_COLUMNS, limit=ROWS_SHOWN))
         if analysis.gpu_split is not None:
             emit(format_gpu_split(analysis.gpu_split))
         write_csv(analysis.roofline, output("roofline.csv"))

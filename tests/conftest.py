@@ -3,8 +3,8 @@ import re
 import pytest
 import torch
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
 
 # Every test that takes `device` runs on the CPU and, where one exists, on the GPU; without a
 # GPU the CUDA cases show up as skipped rather than disappearing.

@@ -9,7 +9,7 @@ from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
 from conftest import DEVICES
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
-from diffusion_policy_accelerated.integration import unet_from_diffusion_policy
+from diffusion_policy_accelerated.adapters.diffusion_policy import unet_from_diffusion_policy
 from dp_policies import ImagePolicy, LowdimPolicy, Sizes, TinyObsEncoder
 from dp_reference import RefUnet, randomize_
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
-from diffusion_policy_accelerated.model import ConditionalUnet1D
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.model.unet import ConditionalUnet1D
 from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator)
 

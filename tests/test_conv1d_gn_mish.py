@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
-from diffusion_policy_accelerated.model import ConditionalUnet1D, conv1d_block_shapes
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.model.unet import ConditionalUnet1D, conv1d_block_shapes
 from conftest import DEVICES, check_bad_input, check_mixed_devices, clusters_enabled, poison_allocator
 
 # Tolerances per dtype (compared after the output is rounded to that dtype):
@@ -622,8 +622,8 @@ def test_cpu_kernels_at_every_vector_width(lanes):
         import torch
         from test_conv1d_gn_mish import ODD_SHAPES, UNET_SHAPES, check, film_and_residual, make_inputs, reference
         from test_conv1d_gn_mish import TOLERANCES
-        from diffusion_policy_accelerated import ops
-        from diffusion_policy_accelerated.routing import kernel_config
+        from diffusion_policy_accelerated.kernels import ops
+        from diffusion_policy_accelerated.kernels.config import kernel_config
         for shape, route, dtype in itertools.product(ODD_SHAPES + UNET_SHAPES[:6], ("auto", "stream"),
                                                      (torch.float32, torch.bfloat16)):
             with kernel_config(cpu_conv=route):
@@ -664,8 +664,8 @@ def test_cpu_bf16_dot_product_runs():
     code = textwrap.dedent("""
         import hashlib
         import torch
-        from diffusion_policy_accelerated import ops
-        from diffusion_policy_accelerated.routing import kernel_config
+        from diffusion_policy_accelerated.kernels import ops
+        from diffusion_policy_accelerated.kernels.config import kernel_config
         g = torch.Generator().manual_seed(3)
         x = torch.randn(1, 512, 16, generator=g).to(torch.bfloat16)
         w = (torch.randn(256, 512, 5, generator=g) / 50).to(torch.bfloat16)
@@ -694,7 +694,7 @@ def test_sliced_group_norm_on_fewer_sms_than_planned_for():
         import torch
         from torch.cuda.green_contexts import GreenContext
         from test_conv1d_gn_mish import TOLERANCES, film_and_residual, make_inputs, reference
-        from diffusion_policy_accelerated import ops
+        from diffusion_policy_accelerated.kernels import ops
         context = GreenContext.create(16, 0)
         context.set_context()
         shape = (1, 64, 512, 64, 5, 8)  # 8 groups of 4096 elements: 16 slices each

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
 from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator, run_behind_a_sleep)
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference

@@ -1,5 +1,6 @@
-"""fp32 cuBLAS GEMMs cut along their reduction (KernelConfig.fp32_gemm_max_splits; gemm_route.h's
-gemm_splits; the narrow GEMM, which would take most of these shapes, off): each op on the GEMM route, with the GEMM whole and split into 8 to 32 slices
+"""fp32 cuBLAS GEMMs cut along their reduction (KernelConfig.fp32_gemm_max_splits; conv_route.h's
+cublas_splits; the narrow GEMM, which would take most of these shapes, off): each op on the
+GEMM route, with the GEMM whole and split into 8 to 32 slices
 whose partial sums the epilogue adds up, against the float64 references of the ops' own tests
 (fp32 tolerance 1e-4 there). The shapes are a few 128 x 32 tiles, which any GPU of 8 SMs or
 more splits: a held GroupNorm group, a sliced one (4096 elements), an odd batch and length, a
@@ -12,7 +13,7 @@ pair's 1024 -> 256 conv over 32 positions on an H100: the same bits as 32 slices
 import pytest
 import torch
 
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels.config import kernel_config
 import test_conv1d as conv1d_tests
 import test_conv1d_gn_mish as gn_mish_tests
 import test_conv1d_gn_mish_shortcut as shortcut_tests

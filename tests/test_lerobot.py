@@ -13,7 +13,7 @@ from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
 from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig  # noqa: E402
 
 import diffusion_policy_accelerated as dpa  # noqa: E402
-from diffusion_policy_accelerated import lerobot as dpa_lerobot  # noqa: E402
+from diffusion_policy_accelerated.adapters import lerobot as dpa_lerobot  # noqa: E402
 from conftest import DEVICES  # noqa: E402
 
 # fp32 actions against LeRobot's fp32 loop on the same noise (DDIM with few steps: with many,

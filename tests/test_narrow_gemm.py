@@ -1,5 +1,5 @@
 """The GEMM route's own fp32 GEMM over few positions (KernelConfig.narrow_gemm; narrow_gemm.cu,
-taken where gemm_route.h's narrow_gemm_splits says): each op on the GEMM route with it and
+taken where conv_route.h's narrow_splits says): each op on the GEMM route with it and
 with cuBLAS's, against the float64 references of the ops' own tests (fp32 tolerance 1e-4
 there). The shapes cover what the kernel masks: output channels that are not a multiple of
 its 32 rows a block, reductions that are not a multiple of its 128-element chunk, fewer
@@ -20,8 +20,9 @@ cuBLAS's."""
 import pytest
 import torch
 
-from diffusion_policy_accelerated import ops, routing
-from diffusion_policy_accelerated.routing import KernelConfig, kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels import routing
+from diffusion_policy_accelerated.kernels.config import kernel_config
 from conftest import poison_allocator
 import test_conv1d as conv1d_tests
 import test_conv1d_gn_mish as gn_mish_tests
@@ -30,17 +31,20 @@ import test_residual_block as block_tests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
                                 reason="needs a CUDA GPU since Ampere (cp.async)")
-# 17-32 positions: a block of 32 needs 4 stages of its ring in shared memory (A100, H100; not
-# sm_86/89, where cuBLAS takes those GEMMs).
-WIDE = pytest.mark.skipif(
-    not torch.cuda.is_available()
-    or torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 4 * routing._narrow_stage_bytes(32),
-    reason="needs 4 stages of a 32-position block in shared memory")
 
 
 def splits(cin, cout, k, positions):
-    conv = torch.nn.Conv1d(cin, cout, k, device="meta")
-    return routing._narrow_gemm_splits(conv, positions, torch.float32, torch.device("cuda"), KernelConfig())
+    """The slices conv_route.h's narrow_splits cuts a conv's GEMM over `positions` into on this
+    GPU (0: cuBLAS runs it), read off the route of the conv forced onto the GEMM route."""
+    conv = torch.nn.Conv1d(cin, cout, k, padding=k // 2, device="meta")
+    with kernel_config(gemm_min_positions=1):
+        return routing.conv_route(conv, 1, positions, torch.float32, "cuda").narrow_splits
+
+
+# 17-32 positions: a block of 32 needs 4 stages of its ring in shared memory (A100, H100; not
+# sm_86/89, where cuBLAS takes those GEMMs).
+WIDE = pytest.mark.skipif(not torch.cuda.is_available() or splits(1024, 1024, 5, 32) == 0,
+                          reason="needs 4 stages of a 32-position block in shared memory")
 
 
 def narrow_and_cublas(run, partials):
@@ -146,9 +150,7 @@ def test_residual_block(length, side_stream, first_narrow):
 def test_long_slices(shape, sm_count):
     batch, cin, cout, length, k, _ = shape
     with kernel_config(sm_count=sm_count):
-        conv = torch.nn.Conv1d(cin, cout, k, device="meta")
-        assert routing._narrow_gemm_splits(conv, batch * length, torch.float32, torch.device("cuda"),
-                                           routing.current_kernel_config()) == 1
+        assert splits(cin, cout, k, batch * length) == 1
         assert_narrow_ran(narrow_and_cublas(lambda: gn_mish_tests.check(shape, torch.float32, "cuda"),
                                             cout * batch * length))
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.model import ConditionalUnet1D, Conv1dBlock
-from diffusion_policy_accelerated.costs import (
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.unet import ConditionalUnet1D, Conv1dBlock
+from diffusion_policy_accelerated.tools.costs import (
     cat_cost, conv1d_cost, conv1d_gn_mish_cost, conv1d_gn_mish_shortcut_cost, conv_transpose1d_cost,
     denoise_step_cost, elementwise_cost, fused_conv1d_cost, group_norm_cost, linear_cost, matmul_cost,
     mish_cost, residual_block_cost)
-from diffusion_policy_accelerated.profiling import (
+from diffusion_policy_accelerated.tools.profiling import (
     ROOFLINE_COLUMNS, Peaks, analyse, call_graph_png, format_gpu_split, layer_names, layer_of, parse_trace,
     record_trace, roofline_op)
 

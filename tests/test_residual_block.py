@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
 from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator, run_behind_a_sleep
 from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 from test_conv1d_gn_mish_shortcut import shortcut_reference, split_input

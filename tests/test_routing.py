@@ -1,18 +1,23 @@
-"""The kernel configuration (routing.KernelConfig, kernel_config) and the route rules."""
+"""The kernel configuration (KernelConfig, kernel_config) and the route rules (conv_route.h, asked
+through the route ops; GPUs this machine lacks are described)."""
 import threading
 
 import pytest
 import torch
 
 import diffusion_policy_accelerated as dpa
-from diffusion_policy_accelerated import ops, routing
-from diffusion_policy_accelerated.model import ConditionalUnet1D
-from diffusion_policy_accelerated.routing import KernelConfig, current_kernel_config, explain, kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels import routing
+from diffusion_policy_accelerated.model.unet import ConditionalUnet1D
+from diffusion_policy_accelerated.kernels import config
+from diffusion_policy_accelerated.kernels.config import CPU_CONV_ROUTES, KernelConfig, current_kernel_config, kernel_config
+from diffusion_policy_accelerated.kernels.routing import H100, GpuLimits
+from diffusion_policy_accelerated.model.routes import explain
 
 
 def test_defaults_and_package_exports():
     assert dpa.KernelConfig is KernelConfig and dpa.kernel_config is kernel_config
-    assert current_kernel_config() == KernelConfig() == routing.DEFAULT
+    assert current_kernel_config() == KernelConfig() == config.DEFAULT
     assert KernelConfig().gemm_min_positions == 32
 
 
@@ -177,7 +182,7 @@ def test_explain_names_every_conv_and_its_route():
     assert routes["down_modules.0.1.blocks.0.block.0"].route.startswith("GEMM")
     # Half precision at batch 1: taps-major GEMMs only where a long horizon leaves deep layers
     # with 16+ positions and enough work; the horizon-16 U-Nets' batch-1 convs all stream.
-    from diffusion_policy_accelerated.configs import UNETS
+    from diffusion_policy_accelerated.model.configs import UNETS
     with torch.device("meta"):
         for name in ("lowdim", "image", "lerobot"):
             model = ConditionalUnet1D(**UNETS[name])
@@ -209,10 +214,10 @@ def test_explain_names_every_conv_and_its_route():
     # On a GPU their GEMMs are the package's narrow GEMM, cut into slices that put a block on
     # each SM (narrow_gemm_splits): 2048 rows (64 blocks of 32) into 2, 1024 rows into 4 on an
     # H100's 132. Without it (narrow_gemm off), on a GPU of 128+ SMs cuBLAS's GEMMs are cut
-    # (gemm_splits): 2048 rows over 16 positions (16 of cuBLAS's 128 x 32 tiles) into 16, 1024
-    # rows (8 tiles) into 32. Without a GPU here, or with fp32_gemm_max_splits 1 too, they are
-    # whole.
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 0
+    # (cublas_splits): 2048 rows over 16 positions (16 of cuBLAS's 128 x 32 tiles) into 16, 1024
+    # rows (8 tiles) into 32; with fp32_gemm_max_splits 1 too, they are whole. Without a GPU
+    # here "cuda" is an H100.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else H100.sms
     with torch.device("meta"), kernel_config(narrow_gemm=False):
         cublas = {r.module: r for r in explain(lerobot, 1, 64, dtype=torch.float32, device="cuda")}
         with kernel_config(fp32_gemm_max_splits=1):
@@ -222,11 +227,10 @@ def test_explain_names_every_conv_and_its_route():
         assert wide[module].route.startswith("GEMM") and "multiply-adds" in wide[module].why, wide[module]
         slices = "GEMM, 16 slices" if module != "up_modules.0.1.blocks.0.block.0" else "GEMM, 32 slices"
         narrow_slices = "GEMM, narrow GEMM, " + ("2" if module != "up_modules.0.1.blocks.0.block.0" else "4")
-        if sms == 0 or 128 <= sms < 256:  # the counts the rules give there (gemm_splits)
-            assert cublas[module].route == (slices if sms else "GEMM"), cublas[module]
-        if 128 <= sms < 160:  # narrow_gemm_splits: 1024 rows (32 blocks) get 5 slices from 160 SMs
+        if 128 <= sms < 256:  # the counts the rules give there (cublas_splits)
+            assert cublas[module].route == slices, cublas[module]
+        if 128 <= sms < 160:  # narrow_splits: 1024 rows (32 blocks) get 5 slices from 160 SMs
             assert wide[module].route == narrow_slices + " slices", wide[module]
-        assert wide[module].route == "GEMM" or sms, wide[module]
         assert whole[module].route == "GEMM", whole[module]
         assert narrow[module].route.startswith("streaming"), narrow[module]
     assert wide["down_modules.1.2.conv"].route.startswith("GEMM"), wide["down_modules.1.2.conv"]
@@ -243,7 +247,7 @@ def test_explain_names_every_conv_and_its_route():
     with torch.device("meta"):
         lowdim = ConditionalUnet1D(**UNETS["lowdim"])
         with kernel_config(clusters=False, pdl=False):
-            assert routing.portable_launches()
+            assert routing.portable_launches("cuda")
             portable = explain(lowdim, 1, 16, dtype=torch.bfloat16, device="cuda")
             portable_fp32 = explain(lowdim, 1, 16, dtype=torch.float32, device="cuda")
         with kernel_config(clusters=False):
@@ -291,22 +295,34 @@ def test_explain_matches_what_the_model_runs(batch, dtype, monkeypatch):
     assert len(explained) == len(calls)
 
 
-def test_portable_launches_asks_the_inputs_device(monkeypatch):
-    """On a host with GPUs of two architectures the rule follows the device the conv runs on,
-    as the ops do (they ask their input's), not the current one. The capabilities are
-    stand-ins: this machine has at most one kind of GPU."""
-    capability = {0: (9, 0), 1: (8, 6)}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(routing, "_library_has_hopper_code", lambda index: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability",
-                        lambda device=None: capability[torch.device(device or "cuda:0").index or 0])
-    assert not routing.portable_launches(device=torch.device("cuda:0"))
-    assert routing.portable_launches(device=torch.device("cuda:1"))
+def test_portable_launches_follow_the_device():
+    """The rules follow the GPU a conv runs on, as the ops do (they ask their input's): a GPU
+    before Hopper, or kernels built without Hopper code, launch portably, and half-precision
+    convs there take the GEMM route from 8 positions. The GPUs are described: no GPU is needed."""
+    older = GpuLimits(8, 108, 163 * 1024)
+    assert not routing.portable_launches(H100)
+    assert routing.portable_launches(older) and routing.portable_launches(H100._replace(hopper_code=False))
+    with kernel_config(clusters=False, pdl=False):
+        assert routing.portable_launches(H100)
+    assert not routing.portable_launches("cpu")
     with torch.device("meta"):
-        routes = {d: explain(ConditionalUnet1D(2, global_cond_dim=8, down_dims=[256, 512, 1024]), 1, 16,
-                             dtype=torch.bfloat16, device=d) for d in ("cuda:0", "cuda:1")}
-    assert not any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:0"])
-    assert any("portable_half_gemm_min_positions" in r.why for r in routes["cuda:1"])
+        unet = ConditionalUnet1D(2, global_cond_dim=8, down_dims=[256, 512, 1024])
+        routes = {name: explain(unet, 1, 16, dtype=torch.bfloat16, device=gpu)
+                  for name, gpu in (("hopper", H100), ("older", older))}
+    assert not any("portable_half_gemm_min_positions" in r.why for r in routes["hopper"])
+    assert any("portable_half_gemm_min_positions" in r.why for r in routes["older"])
+
+
+def gemm_route(cin, cout, kernel, positions, gpu=H100, dtype=torch.float32, transposed=False, **config):
+    """The route string of a conv over `positions` (batch 1) forced onto the GEMM route, on a
+    described GPU: its slices show there (", narrow GEMM, n slices" or ", n slices")."""
+    conv = (torch.nn.ConvTranspose1d(cin, cout, kernel, device="meta") if transposed
+            else torch.nn.Conv1d(cin, cout, kernel, device="meta"))
+    length = positions if transposed else positions + kernel - 1  # `positions` outputs
+    with kernel_config(gemm_min_positions=1, **config):
+        route = routing.conv_route(conv, 1, length, dtype, gpu)
+    assert route.route.startswith("GEMM"), route
+    return route.route
 
 
 @pytest.mark.parametrize("sms,out_channels,in_channels,kernel,positions,splits", [
@@ -319,28 +335,18 @@ def test_portable_launches_asks_the_inputs_device(monkeypatch):
     (132, 256, 96, 5, 32, 1),       # a reduction of 480: 2 slices of 128+ at most, fewer than 8
     (16, 2048, 2048, 5, 16, 1),     # 16 SMs (a green context): 2 slices, fewer than 8
 ])
-def test_gemm_splits_rule(sms, out_channels, in_channels, kernel, positions, splits, monkeypatch):
-    """explain()'s mirror of the ops' gemm_splits on a stand-in GPU of `sms` SMs (no GPU is
-    needed), and in fp32 only: half precision and transposed convs are never cut."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: type("Properties", (), {"multi_processor_count": sms}))
-    conv = torch.nn.Conv1d(in_channels, out_channels, kernel, device="meta")
-    config = KernelConfig()
-    assert routing._gemm_splits(conv, positions, torch.float32, torch.device("cuda"), config) == splits
-    assert routing._gemm_splits(conv, positions, torch.bfloat16, torch.device("cuda"), config) == 1
-    transposed = torch.nn.ConvTranspose1d(in_channels, out_channels, kernel, device="meta")
-    assert routing._gemm_splits(transposed, positions, torch.float32, torch.device("cuda"), config) == 1
-    assert routing._gemm_splits(conv, positions, torch.float32, torch.device("cuda"),
-                                KernelConfig(fp32_gemm_max_splits=1)) == 1
-
-
-def stand_in_gpu(monkeypatch, optin_kb=227, sms=132, major=9):
-    """An H100-like GPU (compute capability `major`) of `sms` SMs and `optin_kb` KB of opt-in
-    shared memory a block, for the routing mirrors (no GPU is needed)."""
-    props = dict(major=major, multi_processor_count=sms, shared_memory_per_block_optin=optin_kb << 10)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("Properties", (), props))
+def test_cublas_splits_rule(sms, out_channels, in_channels, kernel, positions, splits):
+    """conv_route.h's cublas_splits on a described GPU of `sms` SMs, in fp32 only: half
+    precision and transposed convs are never cut; fp32_gemm_max_splits 1 never cuts."""
+    gpu = H100._replace(sms=sms)
+    expected = "GEMM" + (f", {splits} slices" if splits > 1 else "")
+    assert gemm_route(in_channels, out_channels, kernel, positions, gpu, narrow_gemm=False) == expected
+    # sm_count caps a described GPU's SMs as it does a real one's.
+    assert gemm_route(in_channels, out_channels, kernel, positions, H100, narrow_gemm=False, sm_count=sms) == expected
+    assert gemm_route(in_channels, out_channels, kernel, positions, gpu, dtype=torch.bfloat16) == "GEMM"
+    assert gemm_route(in_channels, out_channels, kernel, positions // 2, gpu, transposed=True) == "GEMM"
+    assert gemm_route(in_channels, out_channels, kernel, positions, gpu, narrow_gemm=False,
+                      fp32_gemm_max_splits=1) == "GEMM"
 
 
 @pytest.mark.parametrize("sms,out_channels,in_channels,kernel,positions,splits", [
@@ -356,49 +362,39 @@ def stand_in_gpu(monkeypatch, optin_kb=227, sms=132, major=9):
     (132, 32, 16, 5, 16, 1),        # one block, a reduction of one chunk: whole
     (16, 2048, 2048, 5, 16, 1),     # 16 SMs (a green context): 64 blocks already, whole
 ])
-def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, splits, monkeypatch):
-    """explain()'s mirror of the ops' narrow_gemm_splits on a stand-in H100-like GPU of `sms`
-    SMs (no GPU is needed): fp32 im2col GEMMs only, none before Ampere or where a block's
-    shared memory holds fewer than 3 stages of the ring."""
-    stand_in_gpu(monkeypatch, sms=sms)
+def test_narrow_gemm_rule(sms, out_channels, in_channels, kernel, positions, splits):
+    """conv_route.h's narrow_splits on a described H100-like GPU of `sms` SMs: fp32 im2col
+    GEMMs only, none before Ampere or where a block's shared memory holds fewer than 3 stages
+    of the ring, none with narrow_gemm off."""
+    gpu = H100._replace(sms=sms)
     conv = torch.nn.Conv1d(in_channels, out_channels, kernel, device="meta")
-    cuda, config = torch.device("cuda"), KernelConfig()
-    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == splits
-    assert routing._narrow_gemm_splits(conv, positions, torch.bfloat16, cuda, config) == 0
-    transposed = torch.nn.ConvTranspose1d(in_channels, out_channels, kernel, device="meta")
-    assert routing._narrow_gemm_splits(transposed, positions, torch.float32, cuda, config) == 0
-    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(narrow_gemm=False)) == 0
-    assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, KernelConfig(sm_count=8)) == \
-        (1 if splits else 0)
-    for older in (dict(major=7), dict(optin_kb=64)):
-        stand_in_gpu(monkeypatch, sms=sms, **older)
-        assert routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config) == 0
+
+    def narrow(gpu, dtype=torch.float32, **config):
+        with kernel_config(gemm_min_positions=1, **config):
+            return routing.conv_route(conv, 1, positions + kernel - 1, dtype, gpu).narrow_splits
+    assert narrow(gpu) == splits
+    assert gemm_route(in_channels, out_channels, kernel, positions, gpu).startswith("GEMM, narrow GEMM") == (splits > 0)
+    assert narrow(gpu, torch.bfloat16) == narrow(gpu, narrow_gemm=False) == 0
+    assert narrow(gpu, sm_count=8) == (1 if splits else 0)
+    for older in (gpu._replace(major=7), gpu._replace(smem_optin=64 << 10)):
+        assert narrow(older) == 0
 
 
-def test_narrow_gemm_over_32_positions(monkeypatch):
+def test_narrow_gemm_over_32_positions():
     """17-32 positions (a block holding 32): up to 2^23 weight elements, 4 stages of shared
-    memory (not 99 KB's 3), and not beside a cuBLAS GEMM on another stream; 16 positions are
-    unaffected by either. explain() shows it on LeRobot's U-Net: at horizon 64 the 32-position
-    layers and the shortcut beside the narrow 2048 -> 512 conv; at horizon 128 not the shortcut
-    beside the 4096 -> 1024 conv, whose 21M weight elements are cuBLAS's."""
-    stand_in_gpu(monkeypatch)
-    cuda, config = torch.device("cuda"), KernelConfig()
-
-    def splits(cout, cin, k, positions, beside_cublas=False):
-        conv = torch.nn.Conv1d(cin, cout, k, device="meta")
-        return routing._narrow_gemm_splits(conv, positions, torch.float32, cuda, config, beside_cublas)
-
-    assert splits(2048, 1024, 4, 32) == 2  # 2^23 weight elements: taken
-    assert splits(2048, 1028, 4, 32) == 0  # more
-    assert splits(1024, 1024, 5, 32, beside_cublas=True) == 0
-    assert splits(1024, 1024, 5, 16, beside_cublas=True) == splits(1024, 1024, 5, 16) == 4
-    stand_in_gpu(monkeypatch, optin_kb=99)  # sm_86 / sm_89
-    assert splits(1024, 1024, 5, 16) == 4 and splits(1024, 1024, 5, 20) == splits(1024, 1024, 5, 32) == 0
-    stand_in_gpu(monkeypatch)
-    from diffusion_policy_accelerated.configs import UNETS
+    memory (not 99 KB's 3); 16 positions are unaffected. explain() shows it on LeRobot's U-Net:
+    at horizon 64 the 32-position layers and the shortcut beside the narrow 2048 -> 512 conv;
+    at horizon 128 not the shortcut beside the 4096 -> 1024 conv, whose 21M weight elements
+    are cuBLAS's, and which a narrow GEMM would not run beside (not beside cuBLAS)."""
+    assert gemm_route(1024, 2048, 4, 32) == "GEMM, narrow GEMM, 2 slices"  # 2^23 weight elements: taken
+    assert "narrow" not in gemm_route(1028, 2048, 4, 32)  # more
+    sm86 = H100._replace(major=8, smem_optin=99 << 10)
+    assert gemm_route(1024, 1024, 5, 16, sm86) == "GEMM, narrow GEMM, 4 slices"
+    assert "narrow" not in gemm_route(1024, 1024, 5, 20, sm86) + gemm_route(1024, 1024, 5, 32, sm86)
+    from diffusion_policy_accelerated.model.configs import UNETS
     with torch.device("meta"):
         lerobot = ConditionalUnet1D(**UNETS["lerobot"])
-        h64, h128 = ({r.module: r for r in explain(lerobot, 1, horizon, dtype=torch.float32, device="cuda")}
+        h64, h128 = ({r.module: r for r in explain(lerobot, 1, horizon, dtype=torch.float32, device=H100)}
                      for horizon in (64, 128))
     for module in ("down_modules.1.1.blocks.0.block.0", "up_modules.1.0.blocks.0.block.0",
                    "up_modules.1.0.residual_conv"):
@@ -406,6 +402,31 @@ def test_narrow_gemm_over_32_positions(monkeypatch):
     for module in ("up_modules.0.0.blocks.0.block.0", "up_modules.0.0.residual_conv"):
         assert h128[module].route.startswith("GEMM") and "narrow" not in h128[module].route, h128[module]
     assert h128["up_modules.0.1.blocks.0.block.0"].route.startswith("GEMM, narrow GEMM")
+
+
+def test_route_ops_reject_bad_questions():
+    conv = torch.nn.Conv1d(64, 64, 5, padding=2, device="meta")
+    for args, text in [((conv, 0, 16, torch.float32, H100), "sizes must be positive"),
+                       ((conv, 1, 16, torch.float64, H100), "dtype must be float32, float16 or bfloat16"),
+                       ((conv, 1, 16, torch.float32, GpuLimits(0, 132, 0)), "a described GPU needs")]:
+        with pytest.raises(ValueError, match=text):
+            routing.conv_route(*args)
+    with pytest.raises(ValueError, match=r"block must be \[\] or"):
+        torch.ops.dpa.conv_route(1, 16, 64, 64, 5, 1, 2, False, 8, [4, 64, 64, 5, 8], torch.float32, [])
+
+
+def test_kernel_config_reaches_cpp_by_field_name():
+    """C++ reads the configuration by field name: the dataclass's fields are exactly its, and
+    a dict with one missing or unknown is refused."""
+    import dataclasses
+    assert sorted(f.name for f in dataclasses.fields(KernelConfig)) == sorted(ops._C.kernel_config_fields())
+    assert tuple(ops._C.cpu_conv_names()) == CPU_CONV_ROUTES
+    fields = dataclasses.asdict(KernelConfig())
+    with pytest.raises(ValueError, match="no field pdl"):
+        ops._C.set_kernel_config({k: v for k, v in fields.items() if k != "pdl"}, False)
+    with pytest.raises(ValueError, match="1 unknown fields"):
+        ops._C.set_kernel_config({**fields, "fast": True}, False)
+    ops._C.clear_thread_kernel_config()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

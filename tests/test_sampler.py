@@ -7,7 +7,7 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 from conftest import DEVICES
 
 SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
@@ -183,7 +183,7 @@ def test_following_sampler_rebuilds_once_per_change():
     """A FollowingSampler keeps its sampler while nothing changed, and builds one new sampler
     (not one per call) after a weight update in place and after a conversion and back, which
     keeps versions but not storage."""
-    from diffusion_policy_accelerated.sampler import FollowingSampler
+    from diffusion_policy_accelerated.sampling.sampler import FollowingSampler
 
     unet, schedule, _ = build("cpu")
     following = FollowingSampler(unet)

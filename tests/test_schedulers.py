@@ -10,7 +10,7 @@ import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
 from conftest import DEVICES
-from diffusion_policy_accelerated.schedulers import (DenoiseSchedule, alphas_cumprod_from_config)
+from diffusion_policy_accelerated.model.schedulers import (DenoiseSchedule, alphas_cumprod_from_config)
 
 SCHEDULER_CLASSES = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler}
 # [batch, action_dim, horizon] as Diffusion Policy's U-Net sees it; big enough that every
@@ -316,7 +316,7 @@ def test_step_equals_diffusers(kind, config, num_inference_steps, step_kwargs, i
 
 
 def test_op_ignores_noise_where_diffusers_adds_none():
-    from diffusion_policy_accelerated import ops
+    from diffusion_policy_accelerated.kernels import ops
 
     schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**DP_DDPM), 100)
     generator = torch.Generator().manual_seed(0)
@@ -387,7 +387,7 @@ def test_op_rejects_bad_step_index(index):
 
 
 def call_op(**overrides):
-    from diffusion_policy_accelerated import ops
+    from diffusion_policy_accelerated.kernels import ops
 
     schedule = DenoiseSchedule.from_diffusers(DDPMScheduler(**DP_DDPM), 100)
     args = dict(model_output=torch.zeros(SHAPE), sample=torch.zeros(SHAPE),

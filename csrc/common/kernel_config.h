@@ -1,17 +1,22 @@
-// The kernels' configuration: which routes and launch features the CUDA ops may use. It is
-// defined, with the measurements behind each default, in one place, the Python module
-// diffusion_policy_accelerated/routing.py (KernelConfig); the package's loader sets the
-// process default from it, and `with routing.kernel_config(...)` overrides it for the
-// calling thread. The ops read it when they launch a kernel or a CUDA graph captures them.
+// The kernels' configuration: which routes and launch features the ops may use. Its fields
+// and defaults are the Python dataclass diffusion_policy_accelerated/kernels/config.py's
+// KernelConfig, which reaches C++ by field name (kernel_config_fields); the package's loader
+// sets the process default from it, and `with kernel_config(...)` overrides it for the calling
+// thread. The ops read it when they launch a kernel or a CUDA graph captures them; the route
+// rules that read it are conv1d/conv_route.h.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace dpa {
 
 // How the CPU ops run a convolution: timed on first use of each shape, or fixed
 // (conv1d/cpu/conv_route_cpu.h).
 enum class CpuConv : int { kAuto = 0, kAten = 1, kGemm = 2, kStream = 3, kFloat = 4 };
+// Its names, in that order, as KernelConfig.cpu_conv takes them.
+const std::vector<std::string>& cpu_conv_names();
 
 struct KernelConfig {
   // batch x length from which a conv takes the im2col + cuBLAS route instead of streaming
@@ -46,11 +51,27 @@ struct KernelConfig {
   bool cooperative_group_norm;
   // Streamed weights loaded with an evict-first L2 policy.
   bool weights_evict_first;
+  // Half-precision GroupNorm convs take a taps-major weight (conv_route.h's taps_major_pays)
+  // from this many input channels, and below the GEMM route's size where C_in x C_out x
+  // positions reaches taps_major_min_work (taps_major_min_work_batch_1 at batch 1 from 8
+  // positions).
+  int64_t taps_major_min_in_channels;
+  int64_t taps_major_min_work;
+  int64_t taps_major_min_work_batch_1;
   CpuConv cpu_conv;
   // SMs the CUDA launch plans fill (0: the device's): a process confined to fewer (a CUDA
   // green context, an MPS share) sets it, or its waves would be planned for the whole GPU.
   int64_t sm_count;
 };
+
+// KernelConfig's fields by name: an integer or a flag (cpu_conv, a name of cpu_conv_names(), is
+// the one other). The Python dataclass must have exactly these and cpu_conv.
+struct KernelConfigField {
+  const char* name;
+  int64_t KernelConfig::*integer;  // null for a flag
+  bool KernelConfig::*flag;        // null for an integer
+};
+const std::vector<KernelConfigField>& kernel_config_fields();
 
 // The calling thread's configuration: its override if it has one, else the process
 // default. Raises if the loader has not set the default (the extension was imported

@@ -175,7 +175,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     if source.kind == "demo":
         return _demo_policy(source, device, dtype, max_rows, info, seed)
     if source.kind == "checkpoint":
-        from ..checkpoint import LOWDIM_POLICY, load_checkpoint
+        from ..adapters.checkpoint import LOWDIM_POLICY, load_checkpoint
 
         ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
         info.update(source=source.path, policy_class=ckpt.policy_class, steps=ckpt.sampler.num_steps,
@@ -198,7 +198,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                             inputs={"obs_features": TensorSpec((ckpt.n_obs_steps, ckpt.obs_feature_dim))},
                             predict=lambda x, noise: ckpt.predict_action_from_features(
                                 obs_features=x["obs_features"], noise=noise), **common)
-    from ..lerobot import load_lerobot_pretrained
+    from ..adapters.lerobot import load_lerobot_pretrained
 
     policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
@@ -213,10 +213,10 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
 
 def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype, max_rows: int,
                  info: Dict[str, object], seed: int) -> ServedPolicy:
-    from ..configs import HORIZON, SCHEDULER_CONFIG, UNETS
-    from ..model import ConditionalUnet1D
-    from ..sampler import GraphedSampler
-    from ..schedulers import DenoiseSchedule
+    from ..model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+    from ..model.unet import ConditionalUnet1D
+    from ..sampling.sampler import GraphedSampler
+    from ..model.schedulers import DenoiseSchedule
 
     config = UNETS["lowdim"]
     steps = source.steps or (100 if source.scheduler == "ddpm" else 16)

@@ -32,9 +32,9 @@ import torch.utils.cpp_extension as ext
 print(" ".join(["-I" + p for p in ext.include_paths()] + ["-I" + sysconfig.get_paths()["include"]]))
 EOF
 )
-flags=$("$python" -c "from diffusion_policy_accelerated._extension import CXX_FLAGS; print(' '.join(CXX_FLAGS))")
+flags=$("$python" -c "from diffusion_policy_accelerated.kernels.library import CXX_FLAGS; print(' '.join(CXX_FLAGS))")
 mapfile -t files < <("$python" -c "
-from diffusion_policy_accelerated._extension import sources
+from diffusion_policy_accelerated.kernels.library import sources
 print('\n'.join(sources(with_cuda=False)))")
 echo "compiling ${#files[@]} CPU sources for aarch64 ($("$gxx" --version | head -1); $flags)"
 out=$(mktemp -d)

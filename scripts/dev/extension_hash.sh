@@ -5,5 +5,5 @@
 cd "$(dirname "$0")/../.."
 # The C locale: the files' order (and so the hash) must not depend on the machine's collation.
 export LC_ALL=C
-{ find csrc -type f | sort | xargs cat; cat setup.py pyproject.toml diffusion_policy_accelerated/_extension.py
+{ find csrc -type f | sort | xargs cat; cat setup.py pyproject.toml diffusion_policy_accelerated/kernels/library.py
   echo "${TORCH_CUDA_ARCH_LIST:-9.0}"; } | sha256sum | cut -d' ' -f1

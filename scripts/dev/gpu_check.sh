@@ -92,7 +92,7 @@ fi
 
 if want demo; then
   echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
-  python3 -m diffusion_policy_accelerated.demo --actions 3 2>&1 | tail -1 || status=1
+  python3 -m diffusion_policy_accelerated.tools.demo --actions 3 2>&1 | tail -1 || status=1
 fi
 
 if want bench; then

@@ -13,7 +13,7 @@ import statistics
 
 import torch
 
-from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.kernels import ops
 
 
 def time_chain(step, x, launches, replays):

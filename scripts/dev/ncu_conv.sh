@@ -16,7 +16,7 @@ for shape in "$@"; do
     --section LaunchStats --section SourceCounters --section MemoryWorkloadAnalysis \
     python3 - "$cin" "$cout" "$length" "$dtype" <<'PY' 2>&1 | grep -vE "^==PROF==|^ *-+ *-+|^\s*$" | sed 's/^ *//' | cut -c1-140
 import sys, torch
-from diffusion_policy_accelerated import ops
+from diffusion_policy_accelerated.kernels import ops
 cin, cout, length = map(int, sys.argv[1:4])
 dtype = getattr(torch, sys.argv[4])
 x = torch.randn(1, cin, length, device="cuda", dtype=dtype)

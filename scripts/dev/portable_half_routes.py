@@ -20,9 +20,9 @@ from benchmark import SCHEDULES, loop_inputs  # noqa: E402
 from benchmark_sm_budget import current_context_sms  # noqa: E402
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.profiling import median_ms  # noqa: E402
-from diffusion_policy_accelerated.routing import KernelConfig, kernel_config  # noqa: E402
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
+from diffusion_policy_accelerated.tools.profiling import median_ms  # noqa: E402
+from diffusion_policy_accelerated.kernels.config import KernelConfig, kernel_config  # noqa: E402
 
 
 def worker(budget, rule):
@@ -33,7 +33,7 @@ def worker(budget, rule):
         context = GreenContext.create(budget, 0)  # the context lives as long as this object
         context.set_context()
         got = current_context_sms()
-    from diffusion_policy_accelerated.sampler import GraphedSampler
+    from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
     scheduler_cls, steps = SCHEDULES["DDPM-100"]
     schedule = DenoiseSchedule.from_diffusers(scheduler_cls(**SCHEDULER_CONFIG), steps).to("cuda")
     for name in ("lowdim", "image"):

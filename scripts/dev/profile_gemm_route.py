@@ -30,12 +30,13 @@ from collections import defaultdict
 
 import torch
 
-from diffusion_policy_accelerated import ConditionalUnet1D, ops
-from diffusion_policy_accelerated.configs import HORIZON, UNETS, distinct_block_shapes
-from diffusion_policy_accelerated.model import conv1d_block_shapes
-from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
-from diffusion_policy_accelerated.routing import (KernelConfig, _gemm_by_size, _gemm_splits, _narrow_gemm_splits,
-                                                  kernel_config)
+from diffusion_policy_accelerated import ConditionalUnet1D
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.configs import HORIZON, UNETS, distinct_block_shapes
+from diffusion_policy_accelerated.model.unet import conv1d_block_shapes
+from diffusion_policy_accelerated.tools.profiling import graph_time_ms, weight_copies
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.kernels.routing import conv_route
 
 WIDTHS = {name: UNETS[name]["down_dims"] for name in ("lowdim", "image")}
 
@@ -107,8 +108,10 @@ def splits_table(dtype, horizons=(32, 64, 128), batches=(1, 8), counts=(2, 4, 8,
                 n = calls.count((cin, cout, length))
                 for j, v in enumerate(row):
                     total[j] += n * (v if v == v else row[0])
-                taken = (" | " + str(_gemm_splits(torch.nn.Conv1d(cin, cout, k, device="meta"), N, dtype,
-                                                  torch.device("cuda"), KernelConfig())) if fp32 else "")
+                with kernel_config(gemm_min_positions=1, narrow_gemm=False):
+                    taken = conv_route(torch.nn.Conv1d(cin, cout, k, padding=k // 2, device="meta"), batch, length,
+                                       dtype, "cuda").cublas_splits
+                taken = f" | {taken}" if fp32 else ""
                 print(f"T{horizon:<4} B{batch:<2} {cin:5}->{cout:<5} L{length:<4} x{n} {row[0] * 1e3:7.1f} | "
                       + " ".join(f"{v * 1e3:6.1f}" for v in row[1:]) + taken, flush=True)
             print(f"T{horizon:<4} B{batch:<2} one forward's GroupNorm convs (whole where a count cannot cut): "
@@ -119,17 +122,16 @@ def narrow_table(horizons=(32, 64, 128), batches=(1, 2, 4)):
     """µs per fp32 GroupNorm conv op of LeRobot's U-Net, narrow GEMM / cuBLAS / narrow GEMM,
     where the narrow GEMM takes it; and the sums over one forward's such convs."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    cuda, config = torch.device("cuda"), KernelConfig()
     print("== float32 us per conv1d_gn_mish (im2col + GEMM + epilogue): narrow / cuBLAS / narrow | slices")
     for horizon in horizons:
         calls = lerobot_block_calls(horizon)
         for batch in batches:
             total = [0.0, 0.0, 0.0]
             for cin, cout, length, k, groups in distinct_block_shapes(UNETS["lerobot"]["down_dims"], horizon):
-                conv = torch.nn.Conv1d(cin, cout, k, device="meta")
-                positions = batch * length
-                splits = _narrow_gemm_splits(conv, positions, torch.float32, cuda, config)
-                if not splits or not _gemm_by_size(conv, positions, torch.float32, config, cuda):
+                route = conv_route(torch.nn.Conv1d(cin, cout, k, padding=k // 2, device="meta"), batch, length,
+                                   torch.float32, "cuda")
+                splits = route.narrow_splits
+                if not splits:  # not on the GEMM route by its size, or not the narrow GEMM's
                     continue
                 copies = weight_copies(cout * cin * k * 4)
                 ws = [torch.randn(cout, cin, k, device="cuda") * (cin * k) ** -0.5 for _ in range(copies)]

@@ -8,9 +8,9 @@ bench_conv_blocks.py). KernelConfig.transposed_gemm_min_work comes from this tab
 """
 import torch
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.profiling import graph_time_ms, weight_copies
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.tools.profiling import graph_time_ms, weight_copies
+from diffusion_policy_accelerated.kernels.config import kernel_config
 
 print(torch.cuda.get_device_name(), torch.__version__)
 print(f"{'kind':5} {'dtype':9} {'C':>5} {'B':>3} {'L':>4} {'pos':>4} {'stream':>8} {'gemm':>8}")

@@ -10,11 +10,11 @@ fp32 GEMMs over few positions), launch plans for a budget of a few SMs, denoise 
 (fp32 and bf16, batch 1 and 2)."""
 import torch
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.model import ConditionalUnet1D
-from diffusion_policy_accelerated.routing import kernel_config
-from diffusion_policy_accelerated.sampler import GraphedSampler
-from diffusion_policy_accelerated.schedulers import DenoiseSchedule
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.unet import ConditionalUnet1D
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
+from diffusion_policy_accelerated.model.schedulers import DenoiseSchedule
 
 
 def main():

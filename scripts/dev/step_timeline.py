@@ -17,8 +17,8 @@ import torch
 from diffusers import DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
-from diffusion_policy_accelerated.configs import SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated.model.configs import SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 
 
 def short_name(name: str) -> str:

@@ -26,8 +26,8 @@ import statistics
 
 import torch
 
-from diffusion_policy_accelerated import ops
-from diffusion_policy_accelerated.routing import kernel_config
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.kernels.config import kernel_config
 
 START, WAITED, STAGED, COMPUTED, ARRIVED, FINISHING, SUMMED, NORMALIZED, FINISHED = range(9)
 COLUMNS = ["started", "last in", "waited", "staged", "streamed", "last", "arrived", "summed", "moments",

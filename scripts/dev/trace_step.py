@@ -16,9 +16,10 @@ import statistics
 import torch
 from diffusers import DDPMScheduler
 
-from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule, ops
-from diffusion_policy_accelerated.configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from diffusion_policy_accelerated.sampler import GraphedSampler
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.kernels import ops
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 from trace_conv import WAITED
 
 

@@ -1,5 +1,7 @@
 #include "conv1d/cpu/conv_route_cpu.h"
 
+#include "conv1d/conv_route.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -96,13 +98,10 @@ bool stream_dtype(at::ScalarType dtype) { return dtype == at::kFloat || dtype ==
 
 bool half_precision(const at::Tensor& x) { return x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16; }
 
-// Where the streaming GEMM may be timed: few enough positions (batch x output length; a
-// transposed conv's input length) that the weights' bytes set the time; past that its 4 x 4
-// blocks re-read the weights from the caches for every 4 positions and lose to the GEMMs.
+// Where the streaming GEMM may be timed (conv_route.h's kCpuStreamMaxPositions).
 bool few_positions(const at::Tensor& x, const at::Tensor& weight, int64_t stride, int64_t padding, bool transposed) {
-  constexpr int64_t kMostPositions = 32;
   const int64_t length = transposed ? x.size(2) : (x.size(2) + 2 * padding - weight.size(2)) / stride + 1;
-  return x.size(0) * length <= kMostPositions;
+  return x.size(0) * length <= kCpuStreamMaxPositions;
 }
 
 // A transposed conv has ATen's route and the streaming one (kGemm is ATen's there).

@@ -114,7 +114,7 @@ at::Tensor conv1d_gn_mish_cuda(const at::Tensor& x, const at::Tensor& weight,
   const ConvProblem p = check_conv1d_gn_mish_args(x, weight, bias, gn_weight, gn_bias, num_groups,
                                                   eps, film, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool gemm_route = takes_gemm_route(p.batch * p.out_length, weight);
+  const bool gemm_route = takes_gemm_route(p, weight);
   const GemmForm form = gemm_form(p, weight, gemm_route);
   GnMishCall c = gn_mish_call(p, x, weight, bias, gn_weight, gn_bias, eps, film, residual, form);
   if (gemm_route) {
@@ -133,8 +133,7 @@ at::Tensor conv1d_cuda(const at::Tensor& x, const at::Tensor& weight,
   const ConvProblem p =
       check_conv1d_args(x, weight, bias, stride, padding, transposed, residual, counters);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t positions = p.batch * (transposed ? p.in_length : p.out_length);
-  if (takes_gemm_route(positions, weight, transposed)) {
+  if (takes_gemm_route(p, weight)) {
     if (conv_epilogue_fits(p)) {
       const GemmForm form = gemm_form(p, weight, true);
       ConvCall c = conv_call(p, x, weight, bias, residual, form);
@@ -169,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> conv1d_gn_mish_shortcut_cuda(
       x, weight, bias, gn_weight, gn_bias, num_groups, eps, shortcut_weight, shortcut_bias, film,
       counters, skip);
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool gemm_route = takes_gemm_route(p.batch * p.out_length, weight);
+  const bool gemm_route = takes_gemm_route(p, weight);
   if (gemm_route && !conv_epilogue_fits(ps)) {
     const std::optional<at::Tensor> none;
     const at::Tensor input = skip.has_value() ? at::cat({x, *skip}, 1) : x;
@@ -214,14 +213,9 @@ at::Tensor residual_block_cuda(const ResidualBlockArgs& args) {
   const ConvProblem& p = r.first;
   const std::optional<at::Tensor> none;
   const int64_t positions = p.batch * p.out_length;
-  // A group the epilogue does not hold in registers is cut into slices, which write the second
-  // conv's columns only where they are one tap each (a taps-major second weight); and only at
-  // batch 2+, where they save transposing x and the first conv's output for the taps-major
-  // GEMMs. At batch 1 those GEMMs read [C][L] in place, and the fused op was 1-2% slower
-  // (LeRobot's U-Net, horizons 64 and 128, bf16).
-  const bool fused = takes_gemm_route(positions, weight) && takes_gemm_route(positions, weight2) &&
-                     conv_epilogue_fits(p) && conv_epilogue_fits(r.second) &&
-                     (group_held(p.out_channels / p.groups, p.out_length) || (taps_major(weight2) && p.batch > 1));
+  const bool fused = block_fused(conv_shape(p, weight), conv_shape(r.second, weight2), p.groups, kernel_config(),
+                                 route_device()) &&
+                     conv_epilogue_fits(p) && conv_epilogue_fits(r.second);
   if (!fused) {
     // The ops one after the other: on the streaming route each conv is one launch already.
     at::Tensor h, residual;

@@ -37,7 +37,7 @@
 //                        enough outputs that cuBLAS wins;
 //   narrow_gemm.cu       that route's fp32 GEMM where it has few positions (a batch-1 long
 //                        horizon's layers), in place of cuBLAS's SIMT SGEMM.
-// Which route a conv takes, and why: diffusion_policy_accelerated/routing.py; how a
+// Which route a conv takes, and why: conv1d/conv_route.h; how a
 // streaming conv is cut into blocks or clusters: launch_plan.cpp.
 #pragma once
 
@@ -49,9 +49,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "conv1d/conv_route.h"
+
 namespace dpa {
 
-constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBlocksPerSm = 2;
 // Weight requests each lane keeps in flight per weight row: 3 in fp32; 2 in half precision,
@@ -158,13 +159,6 @@ StreamKernel cluster_transposed_kernel(bool vectorised);
 // ---------------------------------------------------------------------------------------
 // The im2col + cuBLAS route (gemm_epilogue.cuh, gemm_route.cpp).
 
-// What the rows of a GEMM-route conv's result are. kIm2col: output channels (the weight as
-// [C_out, C_in * K] times im2col's columns), in x's dtype. kTapRows: (output channel, tap),
-// c * K + k, over every input position, in fp32 (a taps-major Conv1d weight times x itself);
-// kTransposed: the same for a transposed conv (its weight read transposed in place). Where
-// taps are rows, each output adds up the taps that land on it (col2im), in tap order.
-enum class GemmForm { kIm2col, kTapRows, kTransposed };
-
 // A GEMM-route conv's GEMM result in device memory: of the form's rows over every position,
 // or (kIm2col only) `splits` partial sums over consecutive slices of the reduction,
 // split_stride elements apart, which the epilogue adds up in slice order (gemm_splits).
@@ -181,20 +175,13 @@ struct Im2col {
   int taps, length, stride, pad;
 };
 
-// The GroupNorm epilogue holds a group of up to kHeldPerThread * kThreads elements (every
-// U-Net group of horizon 16) in registers, with its epilogue inputs, and runs both statistics
-// passes on them: re-reading them were dependent L2 round trips, on a kernel that is all
-// latency (~6 µs a launch at batch 64; docs/tried.md, "im2col on a 2-D grid"). Few enough held that a
-// batch 64 U-Net's blocks are resident at once. Larger groups are cut into slices
-// (GroupSlices). The Conv1d-layout split-K kernels' finishing block holds its tile the same
-// way where it fits (splitk_finish.cuh, finish_held_tile).
-constexpr int kHeldPerThread = 4;
-
-// Whether the GroupNorm epilogue holds a group in registers, which GemmEpilogueIo's columns
-// of several taps require.
-inline bool group_held(int64_t channels_per_group, int64_t length) {
-  return channels_per_group * length <= kHeldPerThread * kThreads;
-}
+// The GroupNorm epilogue holds a group of up to kHeldPerThread * kThreads elements
+// (conv_route.h's group_held: every U-Net group of horizon 16) in registers, with its
+// epilogue inputs, and runs both statistics passes on them: re-reading them were dependent
+// L2 round trips, on a kernel that is all latency (docs/tried.md, "im2col on a 2-D grid").
+// Few enough held that a batch 64 U-Net's blocks are resident at once. Larger groups are cut
+// into slices (GroupSlices). The Conv1d-layout split-K kernels' finishing block holds its
+// tile the same way where it fits (splitk_finish.cuh, finish_held_tile).
 
 // What residual_block changes in the GroupNorm epilogue on the GEMM route. residual_pre: the
 // residual is a 1x1 shortcut's GEMM result [C_out, positions] (plus residual_bias), rounded
@@ -254,8 +241,6 @@ void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm f
 // gemm_route.h's narrow_gemm_splits takes it: out[s][m][n], for s < splits, is the sum over
 // reduction slice s (split_chunks chunks of kNarrowChunk elements) of weight[m][k] *
 // cols[k][n]: a GemmResult of `splits` partial sums.
-constexpr int kNarrowMaxPositions = 32;  // positions per GEMM (every block holds all)
-constexpr int kNarrowChunk = 128;        // reduction elements per stage of the ring
 struct NarrowGemm {
   const float* weight;  // [m][red], 16-byte aligned, red % 4 == 0
   const float* cols;    // [red][positions], rows ld_cols apart; 16-byte aligned, positions % 4 == 0
@@ -264,11 +249,6 @@ struct NarrowGemm {
   int m, red, positions, splits, split_chunks;
   bool weights_evict_first;
 };
-// Weight rows per block.
-int narrow_gemm_rows();
-// Stages of the kernel's ring that a block's shared memory holds on the current device for a
-// GEMM over `positions`: 3 or 4, or 0 where it holds fewer (the kernel is not taken there).
-int narrow_gemm_stages(int positions);
 void launch_narrow_gemm(const NarrowGemm& g, int stages);
 
 }  // namespace dpa

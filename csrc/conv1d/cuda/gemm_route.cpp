@@ -21,26 +21,6 @@ namespace dpa {
 
 namespace {
 
-// gemm_splits: the tile cuBLAS's SIMT SGEMMs take at these shapes (128 x 32: a 2048-channel
-// layer over 16 positions is 16 tiles), the shortest slice of the reduction worth a split,
-// and the fewest splits worth one: a strided-batched GEMM of 2 slices took 1.5-3x as long as
-// the whole GEMM (2048->2048 over 16 positions, H100: 165.9 against 53.9 µs), of 16 less
-// (scripts/dev/profile_gemm_route.py --splits times every such GEMM both ways).
-constexpr int64_t kSplitTileRows = 128, kSplitTileColumns = 32, kSplitMinDepth = 128, kSplitFewest = 8;
-
-// narrow_gemm_splits: over 17-32 positions (a block holding 32), the most weight elements the
-// narrow GEMM takes. There it is bound by its multiply-adds, not the weights' bytes, and loses
-// to cuBLAS's SGEMM on large layers. H100, µs per fp32 conv1d_gn_mish over 32 positions,
-// narrow / cuBLAS / narrow (scripts/dev/profile_gemm_route.py --narrow): 512->512 k5 13.9 /
-// 15.0 / 14.0, 1024->1024 25.0 / 25.8 / 25.0, 2048->512 25.5 / 27.9 / 25.5, but 1024->2048
-// 40.4 / 37.2 / 40.5, 2048->2048 68.8 / 60.3 / 68.5. Such a block takes all of an SM's
-// registers, so a GEMM running beside a cuBLAS GEMM on the other stream (beside_cublas: a
-// shortcut's beside its block's first conv, or the reverse) does not take it. A shortcut's
-// beside cuBLAS's held that GEMM up (LeRobot's U-Net at horizon 128, batch 1, fp32 DDPM-100
-// 105.6 against 101.9 ms); beside the first conv's narrow GEMM it gained (horizon 64: 80.8
-// against 82.3; 82.4 where a shortcut's never took it).
-constexpr int64_t kNarrowWideMaxWeights = int64_t{1} << 23;
-
 // The GEMM's result as the epilogue kernels read it: gemm() returns [splits, m, positions]
 // where it split the reduction, else [m, positions].
 GemmResult gemm_result(const at::Tensor& pre) {
@@ -55,19 +35,19 @@ bool taps_major(const at::Tensor& weight) {
   return taps > 1 && weight.stride(0) == cin * taps && weight.stride(1) == 1 && weight.stride(2) == cin;
 }
 
-bool portable_launches() {
-  const KernelConfig& config = kernel_config();
-  return !(config.clusters || config.pdl) || !hopper_launches();
+RouteDevice route_device() {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  return RouteDevice{props->major, sm_budget(), static_cast<int64_t>(props->sharedMemPerBlockOptin), hopper_code()};
 }
 
-bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed) {
-  const KernelConfig& config = kernel_config();
-  const int64_t work = weight.numel() * positions;
-  return positions >= config.gemm_min_positions || taps_major(weight) ||
-         (positions >= config.gemm_min_work_positions &&
-          work >= (transposed ? config.transposed_gemm_min_work : config.gemm_min_work)) ||
-         (weight.scalar_type() != at::kFloat && positions >= config.portable_half_gemm_min_positions &&
-          portable_launches());
+ConvShape conv_shape(const ConvProblem& p, const at::Tensor& weight) {
+  return ConvShape{p.batch,       p.in_channels, p.out_channels,          p.in_length,
+                   p.out_length,  p.kernel_size, p.transposed, weight.scalar_type() != at::kFloat,
+                   !p.transposed && taps_major(weight)};
+}
+
+bool takes_gemm_route(const ConvProblem& p, const at::Tensor& weight) {
+  return takes_gemm_route(conv_shape(p, weight), kernel_config(), route_device());
 }
 
 GemmForm gemm_form(const ConvProblem& p, const at::Tensor& weight, bool gemm_route) {
@@ -105,36 +85,21 @@ at::Tensor im2col(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool 
 
 int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form) {
   if (form != GemmForm::kIm2col || cols.scalar_type() != at::kFloat) return 1;
-  const int64_t tiles = ceil_div(a.m, kSplitTileRows) * ceil_div(a.positions, kSplitTileColumns);
-  const int64_t sms = sm_budget();
-  // As many slices as fill the SMs twice; 8 where that is fewer but 8 fill them 4 times at most.
-  int64_t most = 2 * sms / tiles;
-  if (most < kSplitFewest && kSplitFewest * tiles <= 4 * sms) most = kSplitFewest;
-  most = std::min<int64_t>(most, kernel_config().fp32_gemm_max_splits);
-  int splits = 1;
-  while (2 * splits <= most && a.red % (2 * splits) == 0 && a.red / (2 * splits) >= kSplitMinDepth) splits *= 2;
-  return splits >= kSplitFewest ? splits : 1;
+  return cublas_splits(a.m, a.red, a.positions, kernel_config(), route_device());
 }
 
 namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// narrow_gemm_splits' rules, but for the columns' layout: what im2col's columns always meet.
+// narrow_gemm_splits for the weight's layout (im2col's columns always meet the rest): the
+// router's rule, and 16-byte aligned rows.
 int narrow_splits(const StreamArgs& a, const at::Tensor& rows, GemmForm form, bool beside_cublas) {
-  if (form != GemmForm::kIm2col || rows.scalar_type() != at::kFloat || !kernel_config().narrow_gemm) return 0;
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  if (props->major < 8 || a.positions > kNarrowMaxPositions ||
-      (a.positions > 16 && (beside_cublas || static_cast<int64_t>(a.m) * a.red > kNarrowWideMaxWeights))) {
+  if (form != GemmForm::kIm2col || rows.scalar_type() != at::kFloat || rows.stride(0) != a.red ||
+      rows.stride(1) != 1 || !aligned16(rows)) {
     return 0;
   }
-  if (a.red % 4 != 0 || a.positions % 4 != 0 || rows.stride(0) != a.red || rows.stride(1) != 1 ||
-      !aligned16(rows) || narrow_gemm_stages(a.positions) == 0) {
-    return 0;
-  }
-  const int row_tiles = ceil_div(a.m, narrow_gemm_rows()), chunks = ceil_div(a.red, kNarrowChunk);
-  const int wanted = std::clamp(sm_budget() / row_tiles, 1, chunks);
-  return ceil_div(chunks, ceil_div(chunks, wanted));  // none empty
+  return dpa::narrow_splits(a.m, a.red, a.positions, beside_cublas, kernel_config(), route_device());
 }
 
 }  // namespace
@@ -206,7 +171,7 @@ at::Tensor gemm(const StreamArgs& a, const at::Tensor& weight, const at::Tensor&
     const NarrowGemm g{rows.data_ptr<float>(), cols.data_ptr<float>(), cols.stride(0), out.data_ptr<float>(),
                        a.m, a.red, a.positions, splits, ceil_div(ceil_div(a.red, kNarrowChunk), splits),
                        kernel_config().weights_evict_first};
-    launch_narrow_gemm(g, narrow_gemm_stages(a.positions));
+    launch_narrow_gemm(g, narrow_stages(a.positions, route_device().smem_optin));
     return splits > 1 ? out : out.select(0, 0);
   }
   if (const int splits = gemm_splits(a, cols, form); splits > 1) {
@@ -312,8 +277,7 @@ at::cuda::CUDAStream SideBranch::side_stream(const at::cuda::CUDAStream& main) {
 }
 
 bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions) {
-  const KernelConfig& config = kernel_config();
-  return config.side_stream && (dtype != at::kFloat || positions < config.side_stream_fp32_max_positions);
+  return shortcut_on_side_stream(dtype != at::kFloat, positions, kernel_config());
 }
 
 }  // namespace dpa

@@ -1,7 +1,7 @@
 // The im2col + cuBLAS route of the conv ops (host side): a conv as one cuBLAS GEMM over
-// every position, then an epilogue kernel (gemm_epilogue.cuh). Which convs take it:
-// takes_gemm_route, with the threshold of the kernel configuration; why that threshold:
-// diffusion_policy_accelerated/routing.py.
+// every position, then an epilogue kernel (gemm_epilogue.cuh). Which convs take it, how the
+// GEMM is cut and where a shortcut's runs: conv1d/conv_route.h, asked about the current
+// device here.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,18 +23,15 @@ namespace dpa {
 // the streaming kernels would read a contiguous copy made on every call.
 bool taps_major(const at::Tensor& weight);
 
-// Whether a conv (a GroupNorm conv, a transposed conv) with this weight over `positions`
-// (batch x output length; a transposed conv's input length) takes the GEMM route: from the
-// kernel configuration's gemm_min_positions on, from gemm_min_work_positions on where its
-// multiply-adds reach gemm_min_work (transposed_gemm_min_work for a transposed conv), in half
-// precision from portable_half_gemm_min_positions where launches are portable, or with a
-// taps-major weight (routing.py has the rules' measurements).
-bool takes_gemm_route(int64_t positions, const at::Tensor& weight, bool transposed = false);
+// The current device as the router sees it: its capability, the SM budget (sm_budget), the
+// shared memory a block may opt into, and whether the kernels carry Hopper code.
+RouteDevice route_device();
 
-// Whether no launch uses Hopper's clusters or programmatic dependent launch: a GPU before
-// Hopper, kernels built without Hopper code (hopper_launches), or the kernel configuration
-// turning both off (routing.portable_launches).
-bool portable_launches();
+// The router's view of a conv op's problem with this weight.
+ConvShape conv_shape(const ConvProblem& p, const at::Tensor& weight);
+
+// Whether the conv takes the GEMM route on the current device (conv_route.h).
+bool takes_gemm_route(const ConvProblem& p, const at::Tensor& weight);
 
 // The form of a conv's GEMM on the GEMM route (gemm_route) or, if not, the streaming route's
 // view of its weight (the same but for kTapRows, which the streaming kernels do not read).
@@ -57,22 +54,14 @@ at::Tensor tap_rows_view(const StreamArgs& a, const at::Tensor& x, GemmForm form
 // The GEMM's B operand: tap_rows_view where it has one, else im2col.
 at::Tensor gemm_columns(const StreamArgs& a, const at::Tensor& x, GemmForm form, bool narrow_next = false);
 
-// How many slices of its reduction an fp32 conv's im2col GEMM is cut into (1: none). cuBLAS's
-// SIMT SGEMMs (TF32 off) tile [C_out, positions], so a batch-1 layer of a long horizon is a
-// few tiles, each a long reduction: LeRobot's 2048-channel layers over 16 positions are 16
-// tiles on 132 SMs. Split into up to KernelConfig.fp32_gemm_max_splits slices (as many as
-// fill the SMs twice, or 8 where that is fewer and 8 fill them four times at most; none
-// shorter than 128; 8 or more or none), the GEMM is one strided-batched call, and the
-// epilogue adds the partial sums as it reads them: LeRobot's U-Net at horizon 64, batch 1,
-// DDPM-100, fp32, 115.4 -> 100.8 ms on an H100 (routing.py has the measurements).
+// How many slices of its reduction an fp32 conv's im2col GEMM is cut into on cuBLAS (1:
+// none; conv_route.h's cublas_splits). The GEMM is then one strided-batched call, and the
+// epilogue adds the partial sums as it reads them.
 int gemm_splits(const StreamArgs& a, const at::Tensor& cols, GemmForm form);
 
 // The slices of its reduction that narrow_gemm.cu cuts an fp32 conv's im2col GEMM into, or 0
-// where cuBLAS runs it: KernelConfig.narrow_gemm, up to 32 positions (one block's), 16-byte
-// aligned rows, a GPU since Ampere; as many slices as put one block on each SM. Over 16
-// positions a block takes all of an SM's registers, and the kernel takes only GEMMs of up to
-// 2^23 weight elements that do not run concurrently with a cuBLAS GEMM on another stream
-// (`beside_cublas`; SideBranch).
+// where cuBLAS runs it: conv_route.h's narrow_splits, for 16-byte aligned operands.
+// `beside_cublas`: it runs concurrently with a cuBLAS GEMM on another stream (SideBranch).
 int narrow_gemm_splits(const StreamArgs& a, const at::Tensor& rows, const at::Tensor& cols, GemmForm form,
                        bool beside_cublas);
 // Whether gemm() runs this conv's GEMM on narrow_gemm.cu's kernel, given im2col's columns.
@@ -160,7 +149,7 @@ class SideBranch {
 
 
 // Whether a GEMM-route op's 1x1 shortcut GEMM over `positions` columns runs on a side stream
-// (SideBranch): the kernel configuration's side_stream and side_stream_fp32_max_positions.
+// (SideBranch; conv_route.h).
 bool shortcut_on_side_stream(at::ScalarType dtype, int64_t positions);
 
 }  // namespace dpa

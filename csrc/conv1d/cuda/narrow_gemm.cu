@@ -34,6 +34,7 @@ namespace dpa {
 namespace {
 
 constexpr int kRows = 4;  // weight rows per warp
+static_assert(kWarps * kRows == kNarrowRows, "conv_route.h plans with a block's weight rows");
 
 // Floats per staged row: 16-byte reads of 8 consecutive rows fall in distinct banks.
 constexpr int staged_row(int positions) { return positions + 4; }
@@ -170,28 +171,15 @@ __global__ void __launch_bounds__(kThreads, kPositions == 16 ? 2 : 1) narrow_gem
   }
 }
 
-// The block's positions for a GEMM over `positions` (at most kNarrowMaxPositions).
-int block_positions(int positions) { return positions <= 16 ? 16 : kNarrowMaxPositions; }
-
+// Shared-memory bytes of a stage of the ring (conv_route.cpp's narrow_stages counts the same).
 size_t stage_bytes(int block_positions) {
   return static_cast<size_t>(kNarrowChunk) * (staged_row(block_positions) + kWarps * kRows) * sizeof(float);
 }
 
 }  // namespace
 
-int narrow_gemm_rows() { return kWarps * kRows; }
-
-int narrow_gemm_stages(int positions) {
-  // The most stages up to 4 (3 in flight while one is read) that a block's shared memory
-  // holds; fewer than 3 would leave no copy in flight behind the one awaited. A block of 32
-  // positions takes 4 (the one width measured; the only one on the GPUs that hold 3).
-  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  const int width = block_positions(positions), most = std::min(static_cast<int>(optin / stage_bytes(width)), 4);
-  return most >= (width == 16 ? 3 : 4) ? most : 0;
-}
-
 void launch_narrow_gemm(const NarrowGemm& g, int stages) {
-  const int width = block_positions(g.positions);
+  const int width = narrow_block_positions(g.positions);
   TORCH_INTERNAL_ASSERT(stages == 4 || (stages == 3 && width == 16), "narrow_gemm: 4 stages, or 3 at 16 positions");
   // The 16-byte column copies read whole quads of positions.
   TORCH_INTERNAL_ASSERT(g.positions >= 1 && g.positions <= kNarrowMaxPositions && g.positions % 4 == 0 &&
@@ -213,7 +201,7 @@ void launch_narrow_gemm(const NarrowGemm& g, int stages) {
     bytes = std::max(bytes, std::min(props->sharedMemPerMultiprocessor / 2, props->sharedMemPerBlockOptin));
   }
   set_kernel_attributes(reinterpret_cast<const void*>(kernel), 0, bytes);
-  LaunchConfig launch(dim3(ceil_div(g.m, narrow_gemm_rows()), g.splits), dim3(kThreads), bytes);
+  LaunchConfig launch(dim3(ceil_div(g.m, kNarrowRows), g.splits), dim3(kThreads), bytes);
   launch.programmatic_dependent();
   C10_CUDA_CHECK(cudaLaunchKernelEx(launch.get(), kernel, g));
 }

@@ -26,9 +26,9 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from .model import ConditionalUnet1D
-from .routing import current_kernel_config
-from .schedulers import DenoiseSchedule
+from ..model.unet import ConditionalUnet1D
+from ..kernels.config import current_kernel_config
+from ..model.schedulers import DenoiseSchedule
 
 
 # Memory for the FiLM inputs of several steps, formed together (GraphedSampler._step_films):
@@ -111,12 +111,15 @@ class GraphedSampler:
                  initial_noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`noise` ([steps + 1, *condition_data.shape]) fixes all the noise; `initial_noise`
         (condition_data's shape) only the initial trajectory, drawn by a caller whose loop
-        draws it otherwise (LeRobot's), the steps' noise then drawn as usual."""
-        self._check_inputs(condition_data, condition_mask, local_cond, global_cond, noise)
+        draws it otherwise (LeRobot's), the steps' noise then drawn as usual.
+
+        The floating-point inputs may be of any floating dtype and device: they are converted
+        to the U-Net's dtype and device, the loop computes in that dtype, and the trajectory
+        returned is on the U-Net's device in condition_data's dtype (a float64 condition_data
+        gets float64 back, computed in the U-Net's precision). Integer or bool data, and meta
+        tensors, raise TypeError / ValueError naming the argument."""
+        self._check_inputs(condition_data, condition_mask, local_cond, global_cond, noise, initial_noise)
         shape = condition_data.shape
-        if initial_noise is not None and (noise is not None or initial_noise.shape != shape):
-            raise ValueError(f"initial_noise must be shaped like condition_data {list(shape)} and not given "
-                             f"with noise, got {list(initial_noise.shape)}" + (" and noise" if noise is not None else ""))
         if noise is None:
             # Diffusion Policy's own first draw, then one draw for all the steps' noise.
             like = dict(device=condition_data.device, dtype=condition_data.dtype)
@@ -175,7 +178,20 @@ class GraphedSampler:
         for first in range(0, self.num_steps, chunk):
             yield from (self._film_table[first:first + chunk, None, :] + film_observation).unbind(0)
 
-    def _check_inputs(self, condition_data, condition_mask, local_cond, global_cond, noise):
+    def _check_inputs(self, condition_data, condition_mask, local_cond, global_cond, noise, initial_noise):
+        floating = dict(condition_data=condition_data, local_cond=local_cond, global_cond=global_cond, noise=noise,
+                        initial_noise=initial_noise)
+        for name, value in {**floating, "condition_mask": condition_mask}.items():
+            if value is None and name not in ("condition_data", "condition_mask"):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            if value.is_meta and self.device.type != "meta":
+                raise ValueError(f"{name} is a meta tensor (a shape without data); the sampler needs values")
+            if name in floating and not value.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor (of any floating dtype: the loop computes "
+                                f"in the U-Net's {str(self.dtype).removeprefix('torch.')}), got "
+                                f"{str(value.dtype).removeprefix('torch.')}")
         if condition_data.dim() != 3:
             raise ValueError(f"condition_data must be [batch, horizon, action_dim], got "
                              f"{list(condition_data.shape)}")
@@ -187,6 +203,10 @@ class GraphedSampler:
         if noise is not None and noise.shape != (self.num_steps + 1,) + tuple(condition_data.shape):
             raise ValueError(f"noise must be [{self.num_steps + 1}, *condition_data.shape], got "
                              f"{list(noise.shape)}")
+        if initial_noise is not None and (noise is not None or initial_noise.shape != condition_data.shape):
+            raise ValueError(f"initial_noise must be shaped like condition_data {list(condition_data.shape)} and "
+                             f"not given with noise, got {list(initial_noise.shape)}"
+                             + (" and noise" if noise is not None else ""))
 
 
 class FollowingSampler:

@@ -23,11 +23,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .checkpoint import unet_config_from_state_dict
-from .model import ConditionalUnet1D
-from .policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
-from .sampler import FollowingSampler, GraphedSampler
-from .schedulers import DenoiseSchedule
+from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
+from ..sampling.policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
+from ..sampling.sampler import FollowingSampler, GraphedSampler
+from ..model.schedulers import DenoiseSchedule
 
 __all__ = ["is_lerobot_policy", "accelerate_lerobot", "dpa_state_dict", "load_lerobot_pretrained",
            "LeRobotPretrained"]

@@ -8,12 +8,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import routing
-from ._extension import load_extension
+from .config import library
 
-_C = load_extension()
-# The kernels read their configuration (routing.KernelConfig) at every launch.
-routing.install_default(_C)
+# The compiled extension, its kernel configuration set: the ops read it at every launch.
+_C = library()
 
 SCHEDULER_KINDS = {"ddpm": 0, "ddim": 1}
 PREDICTION_TYPES = {"epsilon": 0, "sample": 1, "v_prediction": 2}
@@ -122,7 +120,7 @@ def residual_block(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
 
     with x = torch.cat((x, skip), dim=1) when `skip` is given (read in place). Both
     GroupNorms have `num_groups` groups and `eps`. Where the convs run as im2col + cuBLAS
-    (CUDA, by routing.py's rules: from KernelConfig.gemm_min_positions, or by their work), the
+    (CUDA, by csrc/conv1d/conv_route.h's rules: from KernelConfig.gemm_min_positions, or by their work), the
     first conv's epilogue writes the second conv's GEMM operand (its im2col columns, or with a
     taps-major `weight2`, see `taps_major`, its output channels-last) and the second's epilogue adds the
     shortcut's GEMM result, saving one launch per block, two with a shortcut; elsewhere the
@@ -158,7 +156,7 @@ def denoise_step(model_output: torch.Tensor, sample: torch.Tensor, noise: Option
     """One DDPM/DDIM update `x_t -> x_{t-1}` with the per-step constants in row `step` of `table`.
 
     `table` ([num_steps, 8] float32, on the sample's device) comes from
-    `diffusion_policy_accelerated.schedulers`; the step index is a plain int so a CUDA
+    `diffusion_policy_accelerated.model.schedulers`; the step index is a plain int so a CUDA
     graph can bake one launch per step. `noise` (same shape/dtype as `sample`) is used
     only where the row says noise is added; None means no noise term. With
     `condition_data` and `condition_mask` (bool), both shaped like `sample`, returns
@@ -230,3 +228,4 @@ def _denoise_step_fake(model_output, sample, noise, table, step, scheduler, pred
     torch._check(model_output.shape == sample.shape,
                  lambda: "denoise_step: model_output and sample must have the same shape")
     return torch.empty_like(sample, memory_format=torch.contiguous_format)
+

@@ -26,7 +26,7 @@ def distinct_block_shapes(down_dims, horizon=HORIZON, input_dim=2, kernel_size=5
     order, read off a forward pass on the meta device."""
     import torch
 
-    from .model import ConditionalUnet1D, conv1d_block_shapes
+    from .unet import ConditionalUnet1D, conv1d_block_shapes
 
     with torch.device("meta"):
         model = ConditionalUnet1D(input_dim, global_cond_dim=32, down_dims=down_dims,

@@ -1,7 +1,7 @@
 """Denoise action chunks with a Diffusion Policy-sized U-Net, plain PyTorch vs this package.
 
-    python -m diffusion_policy_accelerated.demo                  # lowdim U-Net, random weights
-    python -m diffusion_policy_accelerated.demo --weights unet.pt --scheduler ddim --steps 16
+    python -m diffusion_policy_accelerated.tools.demo                  # lowdim U-Net, random weights
+    python -m diffusion_policy_accelerated.tools.demo --weights unet.pt --scheduler ddim --steps 16
 
 `--weights` takes a `ConditionalUnet1D` state_dict saved with torch.save (the keys of
 Diffusion Policy's model, e.g. `{k[6:]: v for k, v in ckpt['state_dicts']['ema_model'].items()
@@ -19,10 +19,12 @@ import time
 
 import torch
 
-from .configs import HORIZON, SCHEDULER_CONFIG, UNETS
-from .model import ConditionalUnet1D
-from .sampler import GraphedSampler
-from .schedulers import DenoiseSchedule
+from ..kernels.library import loaded_build
+from ..kernels.ops import built_with_cuda
+from ..model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from ..model.unet import ConditionalUnet1D
+from ..sampling.sampler import GraphedSampler
+from ..model.schedulers import DenoiseSchedule
 
 LOWDIM_UNET = UNETS["lowdim"]
 
@@ -39,9 +41,18 @@ def plain_denoise(model, schedule, global_cond, noise):
     return sample
 
 
+def build_line() -> str:
+    """What the loaded library was built with (kernels/library.py records it at build time)."""
+    plan = loaded_build()
+    if plan is not None:
+        return plan.describe()
+    return ("CPU + CUDA kernels" if built_with_cuda() else "CPU-only build") + " (its build recorded no details)"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() and built_with_cuda() else "cpu",
+                        help="default: cuda where there is a GPU and the build has CUDA kernels, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"])
     parser.add_argument("--steps", type=int, help="denoising steps (default 100 DDPM / 16 DDIM; "
@@ -52,6 +63,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    print(f"build: {build_line()}", flush=True)
+    if device.type == "cuda" and not built_with_cuda():
+        parser.error(f"--device {args.device}: this build has no CUDA kernels; reinstall on the GPU machine (or with "
+                     f"TORCH_CUDA_ARCH_LIST set to its arch) to build them")
+    plan = loaded_build()
+    note = plan.note_for(torch.cuda.get_device_capability(device)) if device.type == "cuda" and plan else ""
+    if note:
+        print(f"note: {note}", flush=True)
     steps = args.steps or (10 if device.type == "cpu" else 100 if args.scheduler == "ddpm" else 16)
     torch.manual_seed(0)
     model = ConditionalUnet1D(**LOWDIM_UNET)

@@ -17,15 +17,16 @@ PyTorch path, which computes the same function (`use_fused_ops = False` selects 
 comparison).
 """
 import math
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from . import routing
+from ..kernels import routing
 
 __all__ = [
     "conv1d_block_shapes",
+    "unet_config_from_state_dict",
     "SinusoidalPosEmb",
     "Downsample1d",
     "Upsample1d",
@@ -48,7 +49,7 @@ _OPS_HAS_CUDA = None
 def _ops():
     global _OPS, _OPS_HAS_CUDA
     if _OPS is None:
-        from . import ops
+        from ..kernels import ops
         _OPS_HAS_CUDA = bool(ops.built_with_cuda())
         _OPS = ops
     return _OPS
@@ -338,7 +339,7 @@ class ConditionalResidualBlock1D(nn.Module):
         """Whether dpa::residual_block computes this block and pays (routing.block_op_pays)."""
         # The route first: it is false at batch 1, where the per-conv checks then run only once.
         first, second = self.blocks
-        if not (routing.block_op_pays(first.block[0], second.block[0], x) and _fused_device_ok(x.device)):
+        if not (routing.block_op_pays(first.block[0], first.block[1].num_groups, x) and _fused_device_ok(x.device)):
             return False
         norm, norm2 = first.block[1], second.block[1]
         if norm.num_groups != norm2.num_groups or norm.eps != norm2.eps:
@@ -501,16 +502,27 @@ class ConditionalUnet1D(nn.Module):
         halves the length, and the up path concatenates each level's skip connection again."""
         return 2 ** (len(self.down_dims) - 1)
 
-    def check_inputs(self, sample_shape: Sequence[int], local_cond: Optional[torch.Tensor] = None,
+    def check_inputs(self, sample: Union[torch.Tensor, Sequence[int]], local_cond: Optional[torch.Tensor] = None,
                      global_cond: Optional[torch.Tensor] = None, *, with_global_cond: bool = True,
                      sample_name: str = "sample") -> None:
-        """Raises ValueError, naming the argument and what this U-Net expects, where forward's
-        inputs do not fit it: sample [B, T, input_dim] with T a multiple of horizon_multiple,
-        global_cond [B, global_cond_dim] exactly when built with global_cond_dim (unless
+        """Raises, naming the argument and what this U-Net expects, where forward's inputs do
+        not fit it (ValueError for shapes and devices, TypeError for types and dtypes):
+        sample [B, T, input_dim] with T a multiple of horizon_multiple, global_cond
+        [B, global_cond_dim] exactly when built with global_cond_dim (unless
         `with_global_cond` is False: FiLM computed by the caller), local_cond
-        [B, T, local_cond_dim] exactly when built with local_cond_dim. `sample_name`: what the
-        caller calls the sample, for the messages."""
-        shape = tuple(sample_shape)
+        [B, T, local_cond_dim] exactly when built with local_cond_dim. Given the sample itself
+        (not its shape), the sample and the conditions must also be on the U-Net's device and
+        of its dtype (a float64 U-Net takes float64; under autocast any floating dtype), as
+        PyTorch's own layers require. `sample_name`: what the caller calls the sample, for the
+        messages."""
+        tensors = [(sample_name, sample)] if isinstance(sample, torch.Tensor) else []
+        if not tensors and not (isinstance(sample, (tuple, list, torch.Size))
+                                and all(isinstance(n, int) for n in sample)):
+            raise TypeError(f"{sample_name} must be a torch.Tensor, got {type(sample).__name__}")
+        for name, value in (("local_cond", local_cond), ("global_cond", global_cond)):
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(value).__name__}")
+        shape = tuple(sample.shape) if tensors else tuple(sample)
         if len(shape) != 3 or shape[2] != self.input_dim or shape[0] < 1:
             raise ValueError(f"{sample_name} must be [batch, horizon, input_dim={self.input_dim}], got {list(shape)}")
         batch, horizon = shape[0], shape[1]
@@ -532,6 +544,24 @@ class ConditionalUnet1D(nn.Module):
                 if list(value.shape) != expected:
                     raise ValueError(f"{name} must be {expected} ({name}_dim={width}) for {sample_name} "
                                      f"{list(shape)}, got {list(value.shape)}")
+                tensors.append((name, value))
+        if not isinstance(sample, torch.Tensor):
+            return
+        parameter = next(self.parameters())
+        device, dtype = parameter.device, parameter.dtype
+        autocast = device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type)
+        wanted = str(dtype).removeprefix("torch.")
+        for name, value in tensors:
+            if value.device != device:
+                raise ValueError(f"{name} is a meta tensor (a shape without data); the U-Net on {device} needs "
+                                 f"values there" if value.is_meta else f"{name} is on {value.device}, the U-Net "
+                                 f"on {device}: pass {name}.to({str(device)!r})")
+            got = str(value.dtype).removeprefix("torch.")
+            if not value.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor ({wanted}, the U-Net's dtype), got {got}")
+            if value.dtype != dtype and not autocast:
+                raise TypeError(f"{name} must be {wanted}, the U-Net's dtype, got {got}: convert it "
+                                f"({name}.to({dtype})) or the U-Net (unet.to({value.dtype}))")
 
     def forward(self, sample: torch.Tensor, timestep: Union[torch.Tensor, float, int],
                 local_cond: Optional[torch.Tensor] = None,
@@ -545,9 +575,10 @@ class ConditionalUnet1D(nn.Module):
         `film_embeddings` maps every `ConditionalResidualBlock1D` to its `cond_encoder`
         output for this timestep and `global_cond`, computed by the caller (see
         `film_embedding_tables`); `timestep` and `global_cond` are then unused.
-        Inputs that do not fit the U-Net raise ValueError (check_inputs) before anything runs.
+        Inputs that do not fit the U-Net (shapes, device, dtype) raise ValueError or TypeError
+        (check_inputs) before anything runs.
         """
-        self.check_inputs(sample.shape, local_cond, global_cond, with_global_cond=film_embeddings is None)
+        self.check_inputs(sample, local_cond, global_cond, with_global_cond=film_embeddings is None)
         sample = sample.transpose(1, 2)  # [B, input_dim, T]
 
         global_feature = None
@@ -637,3 +668,47 @@ def conv1d_block_shapes(unet: ConditionalUnet1D, horizon: int, batch: int = 1) -
         for hook in hooks:
             hook.remove()
     return [tuple(int(v) for v in call) for call in calls]
+
+
+def unet_config_from_state_dict(state_dict: Mapping, n_groups: int = 8) -> Dict[str, Any]:
+    """The constructor arguments of Diffusion Policy's `ConditionalUnet1D` whose state_dict
+    (keys without the policy's `model.` prefix) is `state_dict`, read off the weight shapes.
+
+    GroupNorm's group count leaves no trace in the weights, so `n_groups` must come from the
+    config (Diffusion Policy's default is 8). Raises ValueError for a state_dict without the
+    U-Net's layout.
+    """
+    def shape(key):
+        if key not in state_dict:
+            raise ValueError(f"state_dict has no {key!r}: not Diffusion Policy's ConditionalUnet1D")
+        return tuple(state_dict[key].shape)
+
+    # diffusion_step_encoder = [SinusoidalPosEmb, Linear(dsed, 4 dsed), Mish, Linear(4 dsed, dsed)]
+    step_embed_dim = shape("diffusion_step_encoder.1.weight")[1]
+    down_dims: List[int] = []
+    while f"down_modules.{len(down_dims)}.0.blocks.0.block.0.weight" in state_dict:
+        down_dims.append(shape(f"down_modules.{len(down_dims)}.0.blocks.0.block.0.weight")[0])
+    # Conv1d weight: [out_channels, in_channels, kernel_size].
+    first_conv = shape("down_modules.0.0.blocks.0.block.0.weight")
+    # The FiLM encoder Linear reads cat(timestep embedding, global_cond) and writes a bias (or
+    # a scale and a bias) per channel.
+    film = shape("down_modules.0.0.cond_encoder.1.weight")
+    local_key = "local_cond_encoder.0.blocks.0.block.0.weight"
+    global_cond_dim = film[1] - step_embed_dim
+    if film[0] not in (first_conv[0], 2 * first_conv[0]) or global_cond_dim < 0:
+        raise ValueError(f"inconsistent U-Net weights: FiLM encoder {list(film)} for "
+                         f"{first_conv[0]} channels and a {step_embed_dim}-dim step embedding")
+    final = shape("final_conv.1.weight")
+    if final[0] != first_conv[1]:
+        raise ValueError(f"inconsistent U-Net weights: input_dim {first_conv[1]} in, "
+                         f"{final[0]} out")
+    return dict(
+        input_dim=first_conv[1],
+        local_cond_dim=shape(local_key)[1] if local_key in state_dict else None,
+        global_cond_dim=global_cond_dim or None,
+        diffusion_step_embed_dim=step_embed_dim,
+        down_dims=down_dims,
+        kernel_size=first_conv[2],
+        n_groups=int(n_groups),
+        cond_predict_scale=film[0] == 2 * first_conv[0],
+    )

@@ -263,7 +263,7 @@ _UNET_LAYER_NAMES = [
 def layer_names(model: nn.Module) -> Dict[nn.Module, str]:
     """Every submodule's range name: its qualified name in `model` (the root: its class
     name), in ConditionalUnet1D shortened as `down.0.res0.block0`."""
-    from .model import ConditionalUnet1D
+    from ..model.unet import ConditionalUnet1D
 
     rules = _UNET_LAYER_NAMES if isinstance(model, ConditionalUnet1D) else []
     names = {}
@@ -515,10 +515,61 @@ def analyse(trace: dict, peaks: Peaks, default_dtype: torch.dtype = torch.float3
 
 # --- output -----------------------------------------------------------------------------
 
-# (key, header, format) of the tables; the roofline CSV has the same columns.
+# Widest name a table prints (short_name); the CSVs keep whole names.
+NAME_WIDTH = 72
+_NAMESPACE = re.compile(r"(?:\(anonymous namespace\)|[A-Za-z_]\w*)::")
+
+
+def _matching_open(text: str, close: int, opening: str, closing: str) -> int:
+    """Index of the bracket that opens the one at `close` (-1 if none); "->" is no bracket."""
+    depth = 0
+    for i in range(close, -1, -1):
+        if text[i] == closing and not (closing == ">" and i > 0 and text[i - 1] == "-"):
+            depth += 1
+        elif text[i] == opening:
+            depth -= 1
+            if depth == 0:
+                return i
+    return -1
+
+
+def _collapse_templates(text: str) -> str:
+    """Every outermost template argument list replaced by <...>."""
+    out, depth = [], 0
+    for i, char in enumerate(text):
+        if char == "<":
+            if depth == 0:
+                out.append("<...>")
+            depth += 1
+        elif char == ">" and depth and text[i - 1] != "-":
+            depth -= 1
+        elif depth == 0:
+            out.append(char)
+    return "".join(out)
+
+
+def short_name(name: str, width: int = NAME_WIDTH) -> str:
+    """A kernel's or op's name as a table prints it: whole where it fits in `width`; else a
+    C++ signature's return type, parameter list and namespaces dropped, then its template
+    arguments (<...>) where still too wide, and at last cut to `width` characters."""
+    if len(name) <= width:
+        return name
+    text = name[len("void "):] if name.startswith("void ") else name
+    if text.endswith(")"):
+        start = _matching_open(text, len(text) - 1, "(", ")")
+        if start > 0 and not text[start - 1].isspace():  # a parameter list, not "Memcpy DtoD (...)"
+            text = text[:start]
+    text = _NAMESPACE.sub("", text)
+    if len(text) > width:
+        text = _collapse_templates(text)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+# (key, header, format: a format string or a function of the value) of the tables; the CSVs
+# have the same columns, with the values themselves.
 BREAKDOWN_COLUMNS = [("part", "part", "{}"), ("ms", "ms/action", "{:.3f}"), ("share", "share", "{:.1%}"),
                      ("calls", "calls", "{:g}"), ("ms_per_call", "ms/call", "{:.3f}")]
-TOP_COLUMNS = [("name", "name", "{}"), ("total_us", "total us", "{:.1f}"), ("mean_us", "mean us", "{:.2f}"),
+TOP_COLUMNS = [("name", "name", short_name), ("total_us", "total us", "{:.1f}"), ("mean_us", "mean us", "{:.2f}"),
                ("share", "share", "{:.1%}"), ("calls", "calls", "{}"), ("layers", "layers", "{}")]
 ROOFLINE_COLUMNS = [("layer", "layer", "{}"), ("op", "op", "{}"), ("shapes", "shapes", "{}"),
                     ("dtype", "dtype", "{}"), ("calls", "calls", "{}"),
@@ -532,7 +583,8 @@ ROOFLINE_COLUMNS = [("layer", "layer", "{}"), ("op", "op", "{}"), ("shapes", "sh
 def format_table(rows: Sequence[dict], columns=ROOFLINE_COLUMNS, limit: Optional[int] = None) -> str:
     shown = list(rows)[:limit]
     cells = [[header for _, header, _ in columns]] + [
-        ["-" if row[key] is None else fmt.format(row[key]) for key, _, fmt in columns] for row in shown]
+        ["-" if row[key] is None else fmt(row[key]) if callable(fmt) else fmt.format(row[key])
+         for key, _, fmt in columns] for row in shown]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     numeric = [bool(shown) and not isinstance(shown[0][key], str) for key, _, _ in columns]
     lines = ["  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(line, widths, numeric)).rstrip()

@@ -231,7 +231,7 @@ def _convolution(c: OpInputs) -> Cost:
 
 
 def _denoise_step(c: OpInputs) -> Cost:
-    from . import ops  # already loaded: the trace holds a dpa op
+    from ..kernels import ops  # already loaded: the trace holds a dpa op
 
     def name(table, value):
         return next(key for key, number in table.items() if number == value)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .routing import current_kernel_config
+from ..kernels.config import current_kernel_config
 from .sampler import GraphedSampler
 
 __all__ = ["GraphedPolicyCall"]

@@ -14,19 +14,16 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .model import ConditionalUnet1D
-from .policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
-from .sampler import FollowingSampler, GraphedSampler
-from .schedulers import DenoiseSchedule
+from ..model.unet import ConditionalUnet1D
+from ..sampling.policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
+from ..sampling.sampler import FollowingSampler, GraphedSampler
+from ..model.schedulers import DDIM_STEP_OPTIONS, DenoiseSchedule
 
 __all__ = ["accelerate", "unet_from_diffusion_policy"]
 
 POLICY_ATTRIBUTES = ("model", "noise_scheduler", "num_inference_steps", "conditional_sample")
 UNET_ATTRIBUTES = ("diffusion_step_encoder", "down_modules", "mid_modules", "up_modules",
                    "final_conv")
-# The keyword arguments of DDIMScheduler.step that change its result; Diffusion Policy
-# forwards `policy.kwargs` to `scheduler.step` on every step.
-DDIM_STEP_OPTIONS = ("eta", "use_clipped_model_output")
 
 
 def unet_from_diffusion_policy(dp_model: nn.Module) -> ConditionalUnet1D:
@@ -124,7 +121,7 @@ class _AcceleratedConditionalSample:
 def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
                encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None):
     """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) or a LeRobot
-    DiffusionPolicy (see `diffusion_policy_accelerated.lerobot`) sample with this package, in
+    DiffusionPolicy (see `diffusion_policy_accelerated.adapters.lerobot`) sample with this package, in
     place, and return it.
 
     `policy.model` becomes this package's `ConditionalUnet1D` with the same weights (so
@@ -153,7 +150,7 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     if not isinstance(whole_graph, bool):
         raise TypeError(f"whole_graph must be a bool, got {whole_graph!r}")
-    from . import lerobot  # here: it reads checkpoint.py, which reads this module
+    from . import lerobot
 
     if lerobot.is_lerobot_policy(policy):
         return lerobot.accelerate_lerobot(policy, dtype, whole_graph=whole_graph, encoder_dtype=encoder_dtype,

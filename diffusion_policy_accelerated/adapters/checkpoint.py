@@ -51,10 +51,9 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from .integration import DDIM_STEP_OPTIONS
-from .model import ConditionalUnet1D
-from .sampler import GraphedSampler
-from .schedulers import SCHEDULER_CLASS_KINDS, DenoiseSchedule
+from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
+from ..sampling.sampler import GraphedSampler
+from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
 
 __all__ = ["load_checkpoint", "DiffusionPolicyCheckpoint", "unet_config_from_state_dict"]
 
@@ -81,54 +80,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 UNET_PREFIX = "model."
 NORMALIZER_PREFIX = "normalizer.params_dict."
 OBS_ENCODER_PREFIX = "obs_encoder."
-
-
-# --------------------------------------------------------------------------------------
-# ConditionalUnet1D constructor arguments from a state_dict.
-# --------------------------------------------------------------------------------------
-
-def unet_config_from_state_dict(state_dict: Mapping, n_groups: int = 8) -> Dict[str, Any]:
-    """The constructor arguments of Diffusion Policy's `ConditionalUnet1D` whose state_dict
-    (keys without the policy's `model.` prefix) is `state_dict`, read off the weight shapes.
-
-    GroupNorm's group count leaves no trace in the weights, so `n_groups` must come from the
-    config (Diffusion Policy's default is 8). Raises ValueError for a state_dict without the
-    U-Net's layout.
-    """
-    def shape(key):
-        if key not in state_dict:
-            raise ValueError(f"state_dict has no {key!r}: not Diffusion Policy's ConditionalUnet1D")
-        return tuple(state_dict[key].shape)
-
-    # diffusion_step_encoder = [SinusoidalPosEmb, Linear(dsed, 4 dsed), Mish, Linear(4 dsed, dsed)]
-    step_embed_dim = shape("diffusion_step_encoder.1.weight")[1]
-    down_dims: List[int] = []
-    while f"down_modules.{len(down_dims)}.0.blocks.0.block.0.weight" in state_dict:
-        down_dims.append(shape(f"down_modules.{len(down_dims)}.0.blocks.0.block.0.weight")[0])
-    # Conv1d weight: [out_channels, in_channels, kernel_size].
-    first_conv = shape("down_modules.0.0.blocks.0.block.0.weight")
-    # The FiLM encoder Linear reads cat(timestep embedding, global_cond) and writes a bias (or
-    # a scale and a bias) per channel.
-    film = shape("down_modules.0.0.cond_encoder.1.weight")
-    local_key = "local_cond_encoder.0.blocks.0.block.0.weight"
-    global_cond_dim = film[1] - step_embed_dim
-    if film[0] not in (first_conv[0], 2 * first_conv[0]) or global_cond_dim < 0:
-        raise ValueError(f"inconsistent U-Net weights: FiLM encoder {list(film)} for "
-                         f"{first_conv[0]} channels and a {step_embed_dim}-dim step embedding")
-    final = shape("final_conv.1.weight")
-    if final[0] != first_conv[1]:
-        raise ValueError(f"inconsistent U-Net weights: input_dim {first_conv[1]} in, "
-                         f"{final[0]} out")
-    return dict(
-        input_dim=first_conv[1],
-        local_cond_dim=shape(local_key)[1] if local_key in state_dict else None,
-        global_cond_dim=global_cond_dim or None,
-        diffusion_step_embed_dim=step_embed_dim,
-        down_dims=down_dims,
-        kernel_size=first_conv[2],
-        n_groups=int(n_groups),
-        cond_predict_scale=film[0] == 2 * first_conv[0],
-    )
 
 
 # --------------------------------------------------------------------------------------
@@ -579,6 +530,27 @@ def _map_tensors(tree, fn):
     return fn(tree) if torch.is_tensor(tree) else tree
 
 
+# How many of a directory's checkpoints the error for a directory names.
+_LISTED_CHECKPOINTS = 3
+
+
+def _directory_message(path: Path) -> str:
+    """What `load_checkpoint(path)` says of a directory: what it takes, and what the
+    directory holds that fits (its .ckpt files, Diffusion Policy's checkpoints/ folder among
+    them, or a LeRobot folder)."""
+    message = (f"path: {path} is a directory; load_checkpoint takes one Diffusion Policy workspace "
+               f"checkpoint file (.ckpt, e.g. checkpoints/latest.ckpt of a training run)")
+    found = [p for pattern in ("*.ckpt", "checkpoints/*.ckpt") for p in sorted(path.glob(pattern)) if p.is_file()]
+    if found:
+        names = ", ".join(str(p.relative_to(path)) for p in found[:_LISTED_CHECKPOINTS])
+        more = len(found) - _LISTED_CHECKPOINTS
+        return message + f"; this one holds {names}" + (f" (+{more} more)" if more > 0 else "")
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return message + ("; this one looks like a LeRobot policy folder (config.json, model.safetensors): "
+                          "load it with load_lerobot_pretrained(folder)")
+    return message + "; this one holds no .ckpt file"
+
+
 def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, None] = None,
                     dtype: Optional[torch.dtype] = None, use_ema: bool = True,
                     num_inference_steps: Optional[int] = None) -> DiffusionPolicyCheckpoint:
@@ -599,6 +571,8 @@ def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, 
     Needs `omegaconf` (`pip install omegaconf`); uses `dill` when installed.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(_directory_message(path))
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint file at {path}")
     if dtype not in (None,) + SUPPORTED_DTYPES:

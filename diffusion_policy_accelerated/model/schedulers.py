@@ -50,6 +50,9 @@ DDIM_DEFAULTS = {
 }
 SCHEDULER_DEFAULTS = {"ddpm": DDPM_DEFAULTS, "ddim": DDIM_DEFAULTS}
 SCHEDULER_CLASS_KINDS = {"DDPMScheduler": "ddpm", "DDIMScheduler": "ddim"}
+# The keyword arguments of DDIMScheduler.step that change its result; Diffusion Policy
+# forwards `policy.kwargs` to `scheduler.step` on every step.
+DDIM_STEP_OPTIONS = ("eta", "use_clipped_model_output")
 PREDICTION_TYPES = ("epsilon", "sample", "v_prediction")
 # learned / learned_range need a variance head in the model output, fixed_large_log returns
 # a log-variance that DDPMScheduler.step would then square-root: neither is a fixed per-step
@@ -345,7 +348,7 @@ class DenoiseSchedule:
         `condition_mask`, the result's masked elements are `condition_data`'s (inpainting,
         in the same pass)."""
         self._check_noise(i, noise)
-        from . import ops  # loads the compiled extension on first use
+        from ..kernels import ops  # loads the compiled extension on first use
 
         return ops.denoise_step(model_output, sample, noise, self.table, i, scheduler=self.kind,
                                 prediction_type=self.prediction_type,

@@ -1,0 +1,2 @@
+"""The denoising loop as one CUDA graph (sampler.py) and whole policy calls as graphs
+(policy_graph.py)."""
