@@ -37,6 +37,9 @@ from .protocol import ActRequest
 
 # How many max_wait_s an idle device waits at most for a batch to fill.
 IDLE_WAITS = 5
+# How long stop() answers what is queued by default: Kubernetes' default grace period between
+# SIGTERM and SIGKILL.
+DRAIN_TIMEOUT_S = 30.0
 
 
 class Overloaded(Exception):
@@ -81,8 +84,10 @@ class Batcher:
         self.metrics = metrics or Metrics()
         self.ready = False
         self.accepting = True
-        # False when stop() gave up on a batch that is still running (see stop()).
+        # False when stop() gave up on a batch that is still running (see stop()); cut_off
+        # counts the requests it then answered with Overloaded.
         self.drained = True
+        self.cut_off = 0
         self._pending: Deque[_Pending] = collections.deque()
         self._pending_rows = 0
         self._wakeup: Optional[asyncio.Event] = None
@@ -141,7 +146,7 @@ class Batcher:
         # A handler cancelled while waiting cancels its future; the worker then skips it.
         return await pending.future
 
-    async def stop(self, timeout: float = 30.0) -> None:
+    async def stop(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
         """Refuse new requests, answer every queued one, then stop the worker; after
         `timeout` seconds, answer what is left with Overloaded (503) instead."""
         self.accepting = False
@@ -154,7 +159,9 @@ class Batcher:
                 self.drained = False
                 for worker in self._workers:
                     worker.cancel()
-                _fail(self._pending, Overloaded("the server stopped before this request ran"))
+                # A cancelled worker answers its running batch's requests (_run) at once.
+                await asyncio.gather(*self._workers, return_exceptions=True)
+                self.cut_off += _fail(self._pending, Overloaded("the server stopped before this request ran"))
                 self._pending.clear()
         # Not waiting for a batch stuck on the device, or for a warm-up: the threads are left
         # to the process's exit (`dpa serve` exits at once when not drained).
@@ -205,7 +212,7 @@ class Batcher:
             actions, timings = await loop.run_in_executor(executor, instance.act, [p.request for p in batch])
         # A batch still running when stop() gives up answers its requests with 503.
         except asyncio.CancelledError:
-            _fail(batch, Overloaded("the server stopped before this request's batch finished"))
+            self.cut_off += _fail(batch, Overloaded("the server stopped before this request's batch finished"))
             raise
         # A failing batch fails its own requests (a 500 each); the server keeps serving.
         except Exception as error:  # noqa: BLE001
@@ -237,7 +244,11 @@ def check_instances(policy: Union[ServedPolicy, Sequence[ServedPolicy]]) -> List
     return instances
 
 
-def _fail(pendings, error: BaseException) -> None:
+def _fail(pendings, error: BaseException) -> int:
+    """Fails the requests not answered yet with `error`; returns how many."""
+    failed = 0
     for pending in pendings:
         if not pending.future.done():
             pending.future.set_exception(error)
+            failed += 1
+    return failed

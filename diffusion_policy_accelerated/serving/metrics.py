@@ -43,8 +43,9 @@ LATENCY_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0
 
 class Metrics:
     """Requests by HTTP status, request latency (arrival to response, seconds), batches and
-    their rows and compute time, rows waiting, requests dropped because their client left.
-    Only the server's event loop touches them, so they need no lock."""
+    their rows and compute time, rows waiting, requests dropped because their client left;
+    open connections, connections refused over the limit, requests that did not arrive in
+    time (connections.py). Only the server's event loop touches them, so they need no lock."""
 
     def __init__(self):
         self.requests: Dict[int, Counter] = {}
@@ -55,6 +56,9 @@ class Metrics:
         self.failed_batches = Counter()
         self.dropped = Counter()
         self.queue_rows = Gauge()
+        self.connections = Gauge()
+        self.refused_connections = Counter()
+        self.timed_out_requests = Counter()
 
     def observe_request(self, status: int, seconds: float) -> None:
         self.requests.setdefault(status, Counter()).inc()
@@ -74,6 +78,9 @@ class Metrics:
         for name, metric, kind in (("dpa_rows_total", self.rows, "counter"),
                                    ("dpa_failed_batches_total", self.failed_batches, "counter"),
                                    ("dpa_dropped_requests_total", self.dropped, "counter"),
-                                   ("dpa_queue_rows", self.queue_rows, "gauge")):
+                                   ("dpa_queue_rows", self.queue_rows, "gauge"),
+                                   ("dpa_connections", self.connections, "gauge"),
+                                   ("dpa_refused_connections_total", self.refused_connections, "counter"),
+                                   ("dpa_timed_out_requests_total", self.timed_out_requests, "counter")):
             lines += [f"# TYPE {name} {kind}", f"{name} {metric.value:g}"]
         return "\n".join(lines) + "\n"

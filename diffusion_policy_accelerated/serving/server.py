@@ -4,7 +4,8 @@ aiohttp serves the protocol; a `Batcher` turns concurrent requests into one samp
 batch. The server starts listening at once (GET /health answers 503 "warming up", so an
 orchestrator can tell starting from dead) while every batch bucket's CUDA graph is captured,
 then serves. SIGINT/SIGTERM stop it gracefully: new requests get 503, queued and running
-ones are answered, then it exits.
+ones are answered for up to `drain_timeout` seconds (what is left then gets 503), then it
+exits. connections.py limits the connections and times out requests that arrive too slowly.
 """
 import asyncio
 import json
@@ -16,7 +17,13 @@ from typing import Callable, Optional, Sequence, Union
 
 from aiohttp import web
 
-from .batcher import Batcher, ClientGone, Overloaded
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp's dependency there
+    from async_timeout import timeout as _timeout
+
+from .batcher import DRAIN_TIMEOUT_S, Batcher, ClientGone, Overloaded
+from .connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS, READ_TIMEOUT_S, ConnectionGuard
 from .metrics import Metrics
 from .policies import ServedPolicy
 from .protocol import CONTENT_TYPE, RequestError, encode_action, parse_act_request, server_timing_header
@@ -48,20 +55,31 @@ class PolicyServer:
     `policy`: a ServedPolicy, or several instances of one whose batches may run side by side
     (batcher.py says when that pays). `max_wait_ms`: how long a request may wait for others
     to share its batch when an instance is idle; `max_queue_rows`: how many observation rows
-    may wait (default 4 batches) before requests are refused with 503."""
+    may wait (default 4 batches) before requests are refused with 503; `drain_timeout`: how
+    long `stop` answers queued and running requests before it answers the rest 503;
+    `max_connections`, `read_timeout`, `idle_timeout`: see connections.py."""
 
     def __init__(self, policy: Union[ServedPolicy, Sequence[ServedPolicy]], *, host: str = "127.0.0.1",
                  port: int = 8700, max_wait_ms: float = 2.0, max_queue_rows: Optional[int] = None,
+                 drain_timeout: float = DRAIN_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 read_timeout: float = READ_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S,
                  log: Callable[[str], None] = _log):
+        if not drain_timeout >= 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {drain_timeout!r}")
         self.host, self.port = host, port
+        self.drain_timeout = drain_timeout
         self.log = log
         self.metrics = Metrics()
+        self.guard = ConnectionGuard(max_connections=max_connections, read_timeout=read_timeout,
+                                     idle_timeout=idle_timeout, metrics=self.metrics)
         self.batcher = Batcher(policy, max_wait_s=max_wait_ms / 1e3, max_queue_rows=max_queue_rows,
                                metrics=self.metrics)
         self.policy = self.batcher.policy
         self.stopping = False
         self.warm_up: Optional[asyncio.Task] = None
         self._runner: Optional[web.AppRunner] = None
+        self._listener: Optional[asyncio.AbstractServer] = None
+        self._watch: Optional[asyncio.Task] = None
 
     @property
     def url(self) -> str:
@@ -69,7 +87,7 @@ class PolicyServer:
 
     def _app(self) -> web.Application:
         # request.read() stops at this size (the handler then answers 413).
-        app = web.Application(client_max_size=self.policy.spec.max_request_bytes)
+        app = web.Application(client_max_size=self.policy.spec.max_request_bytes, middlewares=[self.guard.middleware()])
         app.add_routes([web.post("/v1/act", self._act), web.get("/v1/spec", self._spec),
                         web.get("/health", self._health), web.get("/metrics", self._metrics)])
         return app
@@ -78,9 +96,11 @@ class PolicyServer:
         """Listen, and start warming up (`wait_ready` waits for it)."""
         self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = self._runner.addresses[0][1]
+        # What web.TCPSite does, with aiohttp's protocol under the connection guard.
+        self._listener = await asyncio.get_running_loop().create_server(
+            self.guard.protocol_factory(self._runner.server), self.host, self.port, backlog=128)
+        self.port = self._listener.sockets[0].getsockname()[1]
+        self._watch = asyncio.create_task(self.guard.watch())
         self.log(f"dpa serve: {self.policy.name} on {self.policy.device}, listening on {self.url}; "
                  f"warming up batches {self.policy.buckets}" + (" (one CUDA graph each)" if self.policy.device.type == "cuda" else "")
                  + (f" of {len(self.batcher.instances)} instances..." if len(self.batcher.instances) > 1 else "..."))
@@ -90,14 +110,20 @@ class PolicyServer:
         await self.warm_up
         self.log(f"dpa serve: ready on {self.url} (POST /v1/act, GET /v1/spec /health /metrics)")
 
-    async def stop(self, drain_timeout: float = 30.0) -> None:
-        """Refuse new requests, answer the queued and running ones, close."""
+    async def stop(self, drain_timeout: Optional[float] = None) -> None:
+        """Refuse new requests, answer the queued and running ones for up to `drain_timeout`
+        seconds (default: the server's), the rest 503 (`batcher.cut_off` counts them), close."""
         self.stopping = True
         if self.warm_up is not None and not self.warm_up.done():
             self.warm_up.cancel()
-        await self.batcher.stop(drain_timeout)
+        await self.batcher.stop(self.drain_timeout if drain_timeout is None else drain_timeout)
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        await self.guard.close_all()
 
     # ------------------------------------------------------------------ handlers
     async def _act(self, request: web.Request) -> web.Response:
@@ -108,7 +134,17 @@ class PolicyServer:
 
     async def _answer(self, request: web.Request, start: float) -> web.Response:
         try:
-            body = await request.read()
+            body = await self._read_body(request)
+            if body is None:
+                self.metrics.timed_out_requests.inc()
+                response = _error(408, f"the request's body did not arrive within {self.guard.read_timeout:g} s of "
+                                       f"its first byte (dpa serve --read-timeout)")
+                response.force_close()
+                await response.prepare(request)
+                await response.write_eof()
+                # Closed now: aiohttp would otherwise wait for the rest of the body (its lingering time).
+                request.protocol.force_close()
+                return response
             result = await self.batcher.submit(parse_act_request(body, self.policy.spec),
                                                lambda: _connected(request))
         except RequestError as error:
@@ -127,6 +163,19 @@ class PolicyServer:
         timings = {**result.timings, "server_ms": 1e3 * (time.perf_counter() - start)}
         return web.Response(body=encode_action(result.action, timings), content_type=CONTENT_TYPE,
                             headers={"Server-Timing": server_timing_header(timings)})
+
+    async def _read_body(self, request: web.Request) -> Optional[bytes]:
+        """The request's body, or None where it does not arrive by the request's deadline. Read
+        in this task (a timeout scope, not wait_for's task of its own), so that a body that has
+        arrived is read at once, even where its client hangs up right after sending it."""
+        deadline = self.guard.read_deadline(request)
+        if deadline is None:
+            return await request.read()
+        try:
+            async with _timeout(max(0.0, deadline - asyncio.get_running_loop().time())):
+                return await request.read()
+        except asyncio.TimeoutError:
+            return None
 
     async def _spec(self, request: web.Request) -> web.Response:
         return _json(200, self.policy.spec.to_json())
@@ -153,9 +202,11 @@ async def serve(server: PolicyServer) -> None:
     if server.warm_up in done:
         await server.wait_ready()  # raises if warming up failed
         await waiter
-    server.log("dpa serve: stopping: answering queued requests...")
+    server.log(f"dpa serve: stopping: answering queued requests (for up to {server.drain_timeout:g} s, "
+               f"--drain-timeout)...")
     await server.stop()
-    server.log("dpa serve: stopped")
+    server.log("dpa serve: stopped" + ("" if server.batcher.drained else
+                                       f": the drain timeout cut off {server.batcher.cut_off} requests (answered 503)"))
 
 
 class ServerThread:
@@ -184,7 +235,7 @@ class ServerThread:
             raise
         return self
 
-    def close(self, drain_timeout: float = 30.0) -> None:
+    def close(self, drain_timeout: Optional[float] = None) -> None:
         if self.thread.is_alive():
             try:
                 self.call(self.server.stop(drain_timeout))

@@ -1,0 +1,88 @@
+"""What the tools print: kernel tables a terminal can show (scripts/profile_action.py through
+tools/profiling.py, whole names kept in its CSV), and examples/robot_loop.py telling the user
+when chunks keep arriving late."""
+import csv
+import importlib.util
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from diffusion_policy_accelerated.tools.profiling import NAME_WIDTH, TOP_COLUMNS, format_table, short_name, write_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+ELEMENTWISE = ("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+               "CUDAFunctor_add<float> >(at::TensorIteratorBase&, at::native::CUDAFunctor_add<float> const&)::"
+               "{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::CUDAFunctor_add<float> >("
+               "at::TensorIteratorBase&, at::native::CUDAFunctor_add<float> const&)::{lambda(int)#1})")
+STREAM_CONV = ("void dpa::(anonymous namespace)::stream_conv_kernel<float, 4, true, dpa::Epilogue<float, "
+               "(dpa::EpilogueKind)2> >(dpa::StreamArgs<float>, int, int, int, int, int, int, int, int, int)")
+CUBLAS = "sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+
+
+@pytest.mark.parametrize("name,short", [
+    ("aten::mish", "aten::mish"),                                            # fits: unchanged
+    ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD (Device -> Device)"),
+    (ELEMENTWISE, "elementwise_kernel<...>"),                                # templates too long: collapsed
+    (STREAM_CONV, "stream_conv_kernel<float, 4, true, Epilogue<float, (EpilogueKind)2> >"),  # they fit: kept
+    (CUBLAS + "__5x_cublas", CUBLAS[:NAME_WIDTH - 3] + "..."),              # no structure: cut
+])
+def test_short_names(name, short):
+    assert short_name(name) == short and len(short) <= NAME_WIDTH
+
+
+def test_tables_shorten_names_and_the_csv_keeps_them(tmp_path):
+    rows = [dict(name=n, total_us=10.0 * i, mean_us=1.0, share=0.25, calls=3, layers="down.0.res0.block0")
+            for i, n in enumerate([ELEMENTWISE, STREAM_CONV, "aten::mish"])]
+    table = format_table(rows, TOP_COLUMNS)
+    assert max(len(line) for line in table.splitlines()) < NAME_WIDTH + 60
+    assert "elementwise_kernel<...>" in table and "at::native" not in table
+    write_csv(rows, tmp_path / "top.csv", TOP_COLUMNS)
+    with open(tmp_path / "top.csv") as f:
+        assert [row["name"] for row in csv.DictReader(f)] == [ELEMENTWISE, STREAM_CONV, "aten::mish"]
+
+
+def _robot_loop():
+    spec = importlib.util.spec_from_file_location("dpa_robot_loop", ROOT / "examples" / "robot_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _SlowClient:
+    """PolicyClient's part robot_loop uses, answering each act after `seconds`."""
+    spec = type("Spec", (), {"inputs": {"global_cond": type("T", (), {"shape": (4,)})()}})()
+    last_timings = {"server_ms": 1.0, "batch_rows": 1}
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def wait_ready(self, timeout):
+        pass
+
+    def act(self, observation):
+        time.sleep(self.seconds)
+        return np.zeros((16, 2), np.float32)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("seconds,warned", [(0.06, True), (0.0, False)])
+def test_robot_loop_says_once_what_to_lower(monkeypatch, capsys, seconds, warned):
+    """Chunks that take 60 ms against a 20 ms deadline (2 actions at 100 Hz): after three late
+    ones the loop names the measured time, the deadline and the flags, once; on time, nothing."""
+    robot_loop = _robot_loop()
+    monkeypatch.setattr(robot_loop, "PolicyClient", _SlowClient(seconds))
+    robot_loop.main(["--hz", "100", "--steps-per-chunk", "2", "--chunks", "7"])
+    err = capsys.readouterr().err
+    assert err.count("chunks arrived late") == (1 if warned else 0), err
+    if warned:
+        assert "robot_loop: 3 chunks arrived late" in err and "must come within 20 ms" in err
+        assert "dpa serve --steps 10" in err and "--scheduler ddim" in err and "--steps-per-chunk" in err
+        measured = float(err.split("a chunk took ")[1].split(" ms")[0])
+        assert 50 <= measured < 1000
