@@ -24,6 +24,7 @@
 
 #include "common/launch.h"
 #include "conv1d/cuda/streaming.h"
+#include "picard/cuda/graph_loop.h"
 #endif
 
 TORCH_LIBRARY(dpa, m) {
@@ -53,6 +54,17 @@ TORCH_LIBRARY(dpa, m) {
       "int scheduler, int prediction_type, float? clip_sample_range, "
       "bool use_clipped_model_output, *, Tensor? condition_data=None, "
       "Tensor? condition_mask=None) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // Parallel sampling (picard/picard.h): a Picard iteration's window, then its update of the
+  // trajectory, the windows' starts and the loop state, in place.
+  m.def("picard_window(Tensor trajectory, Tensor start, int window, Tensor film_table, "
+        "Tensor? film_observation) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "picard_update(Tensor(a!) trajectory, Tensor(b!) start, Tensor(c!) state, Tensor model_output, "
+      "Tensor? noise, Tensor table, Tensor thresholds, int scheduler, int prediction_type, "
+      "float? clip_sample_range, bool use_clipped_model_output, *, Tensor? condition_data=None, "
+      "Tensor? condition_mask=None, int conditional_handle=0) -> ()",
       {at::Tag::pt2_compliant_tag});
 }
 
@@ -121,6 +133,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(conv1d/cuda/streaming.h).");
   m.def("stop_launch_trace", &dpa::stop_launch_trace,
         "Stops tracing launches; returns the blocks (rows) of each launch traced.");
+  m.def("graph_loops_supported", &dpa::graph_loops_supported,
+        "Whether CUDA graphs can hold loops here (conditional WHILE nodes: CUDA 12.4+ runtime and driver).");
+  m.def("begin_graph_loop", &dpa::begin_graph_loop,
+        "Opens a loop in the CUDA graph being captured on the current stream (picard/cuda/graph_loop.h); "
+        "returns its condition handle.");
+  m.def("end_graph_loop", &dpa::end_graph_loop, "Ends the open graph loop's body.");
   m.def("hopper_launches", [](int64_t device) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     return dpa::hopper_launches();

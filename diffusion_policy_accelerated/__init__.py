@@ -21,6 +21,7 @@ _EXPORTS = {
     "ConditionalUnet1D": "model.unet",
     "DenoiseSchedule": "model.schedulers",
     "GraphedSampler": "sampling.sampler",
+    "Picard": "sampling.picard",
     "accelerate": "adapters.diffusion_policy",
     "load_checkpoint": "adapters.checkpoint",
     "load_lerobot_pretrained": "adapters.lerobot",

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
+from ..sampling.picard import Picard
 from ..sampling.sampler import GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
 
@@ -237,7 +238,7 @@ class DiffusionPolicyCheckpoint:
 
     def __init__(self, *, cfg: dict, policy_class: str, policy_state: Mapping, weights: str,
                  device: torch.device, dtype: torch.dtype,
-                 num_inference_steps: Optional[int]):
+                 num_inference_steps: Optional[int], parallel: Optional[Picard] = None):
         policy_cfg = cfg["policy"]
         required = ["horizon", "n_obs_steps", "n_action_steps", "noise_scheduler"] + (
             ["action_dim", "obs_dim"] if policy_class == LOWDIM_POLICY else ["shape_meta"])
@@ -294,7 +295,7 @@ class DiffusionPolicyCheckpoint:
         unet = ConditionalUnet1D(**self.unet_config)
         unet.load_state_dict(unet_state, strict=True)
         self.unet = unet.to(device=self.device, dtype=dtype).eval()
-        self.sampler = GraphedSampler(self.unet, self.schedule)
+        self.sampler = GraphedSampler(self.unet, self.schedule, parallel=parallel)
 
         self.normalizer_params = _normalizer_params(policy_state)
         self.normalizer_params = {
@@ -553,7 +554,7 @@ def _directory_message(path: Path) -> str:
 
 def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, None] = None,
                     dtype: Optional[torch.dtype] = None, use_ema: bool = True,
-                    num_inference_steps: Optional[int] = None) -> DiffusionPolicyCheckpoint:
+                    num_inference_steps: Optional[int] = None, parallel=None) -> DiffusionPolicyCheckpoint:
     """Load a Diffusion Policy workspace checkpoint (`.ckpt` from `BaseWorkspace.save_checkpoint`)
     of a U-Net policy (`DiffusionUnetLowdimPolicy`, `DiffusionUnetImagePolicy`,
     `DiffusionUnetHybridImagePolicy`) without the Diffusion Policy repo.
@@ -566,10 +567,12 @@ def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, 
     else the CPU); `dtype`: the U-Net's weights (float32, the default, float16 or bfloat16;
     inputs and outputs stay float32, as in Diffusion Policy); `use_ema`: use the EMA weights
     ('ema_model') when the checkpoint has them, else 'model'; `num_inference_steps`:
-    overrides cfg.policy.num_inference_steps.
+    overrides cfg.policy.num_inference_steps; `parallel`: sample by Picard iteration
+    (GraphedSampler's `parallel`: True, or a Picard(window, tolerance)).
 
     Needs `omegaconf` (`pip install omegaconf`); uses `dill` when installed.
     """
+    parallel = Picard.of(parallel)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(_directory_message(path))
@@ -606,4 +609,4 @@ def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, 
     return DiffusionPolicyCheckpoint(
         cfg=cfg, policy_class=policy_class, policy_state=policy_state, weights=weights,
         device=torch.device(device), dtype=dtype or torch.float32,
-        num_inference_steps=num_inference_steps)
+        num_inference_steps=num_inference_steps, parallel=parallel)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..model.unet import ConditionalUnet1D
 from ..sampling.policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
+from ..sampling.picard import Picard
 from ..sampling.sampler import FollowingSampler, GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, DenoiseSchedule
 
@@ -86,10 +87,10 @@ class _AcceleratedConditionalSample:
     schedule or tables.
     """
 
-    def __init__(self, policy, unet: ConditionalUnet1D):
+    def __init__(self, policy, unet: ConditionalUnet1D, parallel=None):
         self.policy = policy
         self.unet = unet
-        self.following = FollowingSampler(unet)
+        self.following = FollowingSampler(unet, parallel)
         self._sampler_for(getattr(policy, "kwargs", {}))
 
     @property
@@ -119,7 +120,8 @@ class _AcceleratedConditionalSample:
 
 
 def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
-               encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None):
+               encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None,
+               parallel=None):
     """Make a Diffusion Policy U-Net policy (lowdim, image or hybrid image) or a LeRobot
     DiffusionPolicy (see `diffusion_policy_accelerated.adapters.lerobot`) sample with this package, in
     place, and return it.
@@ -141,6 +143,10 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
     default: where there is an encoder) and, with `encoder_dtype` (torch.float16 /
     torch.bfloat16), under autocast.
 
+    `parallel` samples by Picard iteration (sampling/picard.py: True for the defaults, or a
+    `Picard(window, tolerance)`): the same actions up to the tolerance, in fewer dependent
+    steps where the GPU has room (small batches); None keeps the sequential loop.
+
     The policy must be in eval mode and its scheduler a DDPMScheduler or DDIMScheduler with
     options `DenoiseSchedule` supports. Moving the policy afterwards (`policy.to("cuda")`),
     changing `num_inference_steps` or the scheduler, and updating `policy.model`'s weights in
@@ -150,11 +156,12 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     if not isinstance(whole_graph, bool):
         raise TypeError(f"whole_graph must be a bool, got {whole_graph!r}")
+    parallel = Picard.of(parallel)
     from . import lerobot
 
     if lerobot.is_lerobot_policy(policy):
         return lerobot.accelerate_lerobot(policy, dtype, whole_graph=whole_graph, encoder_dtype=encoder_dtype,
-                                          encoder_channels_last=encoder_channels_last)
+                                          encoder_channels_last=encoder_channels_last, parallel=parallel)
     missing = [name for name in POLICY_ATTRIBUTES if not hasattr(policy, name)]
     if missing:
         raise TypeError(f"{type(policy).__name__} has no {missing}: accelerate() takes a Diffusion "
@@ -171,7 +178,7 @@ def accelerate(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool
     unet = unet_from_diffusion_policy(policy.model).eval()
     if dtype is not None:
         unet = unet.to(dtype=dtype)
-    conditional_sample = _AcceleratedConditionalSample(policy, unet)
+    conditional_sample = _AcceleratedConditionalSample(policy, unet, parallel)
     # Kept out of the module tree (not a registered submodule), so that the policy's
     # state_dict, parameters and .to() see only the U-Net that is used.
     vars(policy)["_dpa_original_model"] = policy.model

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
 from ..sampling.policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
+from ..sampling.picard import Picard
 from ..sampling.sampler import FollowingSampler, GraphedSampler
 from ..model.schedulers import DenoiseSchedule
 
@@ -122,9 +123,9 @@ class _LeRobotConditionalSample:
     the weights (FollowingSampler); the per-step noise of DDPM has LeRobot's distribution,
     from one draw."""
 
-    def __init__(self, model: nn.Module, unet: ConditionalUnet1D, horizon: int, action_dim: int):
+    def __init__(self, model: nn.Module, unet: ConditionalUnet1D, horizon: int, action_dim: int, parallel=None):
         self.model = model
-        self.following = FollowingSampler(unet)
+        self.following = FollowingSampler(unet, parallel)
         self.horizon, self.action_dim = horizon, action_dim
 
     @property
@@ -151,12 +152,14 @@ class _LeRobotConditionalSample:
 
 
 def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
-                       encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None):
+                       encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None,
+                       parallel=None):
     """`accelerate(policy)` for LeRobot's DiffusionPolicy (see the module doc); returns it.
     With `whole_graph`, `policy.diffusion.generate_actions` (image encoders, global condition,
     denoising loop, slicing) runs as one CUDA graph per input shape (policy_graph.py);
     `encoder_dtype` and `encoder_channels_last` (default: on where there are images) apply to
-    `policy.diffusion.rgb_encoder`."""
+    `policy.diffusion.rgb_encoder`; `parallel`: GraphedSampler's."""
+    parallel = Picard.of(parallel)
     model = policy.diffusion
     if "_dpa_sample" in vars(model):
         raise ValueError("this policy is already accelerated; accelerate a fresh policy instead")
@@ -172,7 +175,7 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_gra
     encoder = getattr(model, "rgb_encoder", None)
     channels_last = check_encoder_options(encoder, "policy.diffusion.rgb_encoder", encoder_dtype, encoder_channels_last)
     unet = unet_from_lerobot(model.unet, dtype)
-    sample = _LeRobotConditionalSample(model, unet, horizon, action_dim)
+    sample = _LeRobotConditionalSample(model, unet, horizon, action_dim, parallel)
     # Instance attributes, not submodules: the policy's state_dict and .to() see only LeRobot's
     # own modules, and `conditional_sample` shadows the class's method, which generate_actions
     # calls.
@@ -199,11 +202,11 @@ class LeRobotPretrained:
     LeRobot's `_prepare_global_conditioning` builds from normalised observations (and image
     features), and actions come back normalised, for LeRobot's postprocessor to undo."""
 
-    def __init__(self, config: Dict[str, Any], unet: ConditionalUnet1D, schedule: DenoiseSchedule):
+    def __init__(self, config: Dict[str, Any], unet: ConditionalUnet1D, schedule: DenoiseSchedule, parallel=None):
         self.config = config
         self.unet = unet
         self.schedule = schedule
-        self.sampler = GraphedSampler(unet, schedule)
+        self.sampler = GraphedSampler(unet, schedule, parallel=parallel)
         self.horizon = int(config["horizon"])
         self.n_obs_steps = int(config["n_obs_steps"])
         self.n_action_steps = int(config["n_action_steps"])
@@ -250,11 +253,12 @@ def _schedule_config(config: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], in
 
 
 def load_lerobot_pretrained(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                            num_inference_steps: Optional[int] = None) -> LeRobotPretrained:
+                            num_inference_steps: Optional[int] = None, parallel=None) -> LeRobotPretrained:
     """A LeRobot DiffusionPolicy folder (`save_pretrained`: config.json, model.safetensors) as
     this package's U-Net and DDPM/DDIM schedule, on `device` (default: CUDA where there is
     one) in `dtype` (default float32), with the config's number of denoising steps or
-    `num_inference_steps`. Needs `safetensors`, not LeRobot."""
+    `num_inference_steps`; `parallel`: GraphedSampler's. Needs `safetensors`, not LeRobot."""
+    parallel = Picard.of(parallel)
     folder = Path(path)
     config_path, weights_path = folder / "config.json", folder / "model.safetensors"
     for file in (config_path, weights_path):
@@ -297,4 +301,4 @@ def load_lerobot_pretrained(path, device: Optional[str] = None, dtype: Optional[
             raise ValueError(f"num_inference_steps must be a positive integer or None, got {num_inference_steps!r}")
         steps = num_inference_steps
     schedule = DenoiseSchedule.from_diffusers(scheduler_config, steps, kind=kind)
-    return LeRobotPretrained(config, unet, schedule)
+    return LeRobotPretrained(config, unet, schedule, parallel)

@@ -172,6 +172,39 @@ def denoise_step(model_output: torch.Tensor, sample: torch.Tensor, noise: Option
         condition_mask=condition_mask)
 
 
+def picard_window(trajectory: torch.Tensor, start: torch.Tensor, window: int, film_table: torch.Tensor,
+                  film_observation: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The inputs of one Picard iteration's batched U-Net evaluation (csrc/picard/picard.h):
+    for window row r of batch row b (row r * batch + b), the state trajectory[i, b] and the
+    FiLM row film_table[i] + film_observation[b], i = min(start[b] + r, steps - 1).
+
+    trajectory: [steps + 1, batch, ...] contiguous; start: int32 [batch], each window's first
+    step; film_table: [steps, width] (every residual block's timestep FiLM part, side by side);
+    film_observation: [batch, width] (the observation part) or None. Returns
+    ([window * batch, ...], [window * batch, width])."""
+    return torch.ops.dpa.picard_window(trajectory, start, int(window), film_table, film_observation)
+
+
+def picard_update(trajectory: torch.Tensor, start: torch.Tensor, state: torch.Tensor, model_output: torch.Tensor,
+                  noise: Optional[torch.Tensor], table: torch.Tensor, thresholds: torch.Tensor, *, scheduler: str,
+                  prediction_type: str = "epsilon", clip_sample_range: Optional[float] = None,
+                  use_clipped_model_output: bool = False, condition_data: Optional[torch.Tensor] = None,
+                  condition_mask: Optional[torch.Tensor] = None, conditional_handle: int = 0) -> None:
+    """One Picard iteration's update, in place (csrc/picard/picard.h): each window step's
+    denoise step (as `denoise_step`, row start[b] + r of `table`, noise[i] where the step adds
+    noise, inpainting with condition_data/condition_mask) applied to model_output (the U-Net
+    on picard_window's states), the window rebuilt by a cumulative sum into `trajectory`,
+    `start` moved past the states whose mean squared change is within `thresholds[i]` (float32
+    [steps]) and the one after them, `state[0]` (int32 [3], the rest scratch left zero)
+    counting the iteration. `conditional_handle` (begin_graph_loop's): set the graph loop's
+    condition, some row short of the last state."""
+    torch.ops.dpa.picard_update(
+        trajectory, start, state, model_output, noise, table, thresholds,
+        _enum(scheduler, SCHEDULER_KINDS, "scheduler"), _enum(prediction_type, PREDICTION_TYPES, "prediction_type"),
+        None if clip_sample_range is None else float(clip_sample_range), bool(use_clipped_model_output),
+        condition_data=condition_data, condition_mask=condition_mask, conditional_handle=int(conditional_handle))
+
+
 @torch.library.register_fake("dpa::conv1d_gn_mish")
 def _conv1d_gn_mish_fake(x, weight, bias, gn_weight, gn_bias, num_groups, eps, *, film=None,
                          residual=None, counters=None):
@@ -229,3 +262,17 @@ def _denoise_step_fake(model_output, sample, noise, table, step, scheduler, pred
                  lambda: "denoise_step: model_output and sample must have the same shape")
     return torch.empty_like(sample, memory_format=torch.contiguous_format)
 
+
+@torch.library.register_fake("dpa::picard_window")
+def _picard_window_fake(trajectory, start, window, film_table, film_observation=None):
+    torch._check(trajectory.dim() >= 3, lambda: "picard_window: trajectory must be [steps + 1, batch, ...]")
+    rows = window * trajectory.shape[1]
+    return (trajectory.new_empty((rows, *trajectory.shape[2:])), film_table.new_empty((rows, film_table.shape[1])))
+
+
+@torch.library.register_fake("dpa::picard_update")
+def _picard_update_fake(trajectory, start, state, model_output, noise, table, thresholds, scheduler,
+                        prediction_type, clip_sample_range, use_clipped_model_output, *, condition_data=None,
+                        condition_mask=None, conditional_handle=0):
+    torch._check(model_output.shape[0] % trajectory.shape[1] == 0,
+                 lambda: "picard_update: model_output must be [window * batch, ...]")

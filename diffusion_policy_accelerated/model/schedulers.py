@@ -324,6 +324,16 @@ class DenoiseSchedule:
         moved.table = self.table.to(device)
         return moved
 
+    def noise_variance(self) -> torch.Tensor:
+        """Each step's noise variance, float32 [num_steps] on the CPU: DDPM's posterior variance
+        as its table has it (noise_scale squared), for DDIM the variance of its eta = 1 step
+        (it adds none itself). The parallel sampler scales its tolerance by it."""
+        host = self._host_table
+        if self.kind == "ddpm":
+            return host[:, NOISE_SCALE].square()
+        alpha_prod, alpha_prod_prev = host[:, SQRT_ALPHA_PROD].square(), host[:, X0_COEFF].square()
+        return ((1 - alpha_prod_prev) / (1 - alpha_prod) * (1 - alpha_prod / alpha_prod_prev)).clamp(min=0)
+
     def _check_index(self, i) -> int:
         i = int(i)
         if not 0 <= i < len(self._adds_noise):

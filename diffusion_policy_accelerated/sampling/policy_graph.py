@@ -194,8 +194,7 @@ class _CapturedCall:
             try:
                 # thread_local: a host synchronisation of this thread's fails the capture, other
                 # threads' CUDA calls (a server's) are left alone.
-                with torch.cuda.graph(self.graph, stream=sampler.capture_stream(),
-                                      capture_error_mode="thread_local"):
+                with sampler.capture(self.graph, capture_error_mode="thread_local"):
                     self.output = method(*args, **kwargs)
             except Exception as error:  # any failure of the capture: run eagerly, never guess
                 # A capture that ends in an error leaves its stream current (torch.cuda.graph

@@ -29,6 +29,7 @@ import torch
 from ..model.unet import ConditionalUnet1D
 from ..kernels.config import current_kernel_config
 from ..model.schedulers import DenoiseSchedule
+from .picard import Picard, PicardLoop, graph_loops_supported
 
 
 # Memory for the FiLM inputs of several steps, formed together (GraphedSampler._step_films):
@@ -46,10 +47,15 @@ class GraphedSampler:
     configuration) on first use, with a message on stderr. The U-Net's weights and the
     schedule must not change afterwards (build a new sampler if they do); the graphs keep
     references to them.
+
+    `parallel` (None: the sequential loop) samples the same trajectory by Picard iteration
+    (sampling/picard.py): True for the defaults, or a `Picard(window, tolerance)`. On CUDA its
+    iterations loop inside the graph (CUDA 12.4+; else a budget of iterations measured at
+    capture, unrolled, with the rest run eagerly where a call needs more).
     """
 
     def __init__(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule, *,
-                 use_cuda_graph: Optional[bool] = None):
+                 use_cuda_graph: Optional[bool] = None, parallel=None):
         if not isinstance(unet, ConditionalUnet1D):
             raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got "
                             f"{type(unet).__name__}")
@@ -80,6 +86,29 @@ class GraphedSampler:
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
         self._inlined = 0
         self._capture_stream: Optional[torch.cuda.Stream] = None
+        self._capture_pool = None
+        self.parallel = Picard.of(parallel)
+        self._picard = None if self.parallel is None else PicardLoop(self, self.parallel)
+        # The Picard iterations unrolled into a graph where graph loops are not available.
+        self._picard_budget: Optional[int] = None
+
+    @property
+    def last_iterations(self) -> Optional[int]:
+        """The parallel loop's iterations in the last call (None: sequential)."""
+        if self._picard is None or self._picard.last_iterations is None:
+            return None
+        return int(self._picard.last_iterations)
+
+    @contextlib.contextmanager
+    def capture(self, graph: "torch.cuda.CUDAGraph", **kwargs) -> Iterator[None]:
+        """torch.cuda.graph(graph, stream=capture_stream(), **kwargs), telling the loop which
+        memory pool a graph loop's body allocates from."""
+        with torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
+            self._capture_pool = graph.pool()
+            try:
+                yield
+            finally:
+                self._capture_pool = None
 
     def capture_stream(self) -> torch.cuda.Stream:
         """The stream this sampler's graphs (and a whole policy call around it) are captured
@@ -154,6 +183,9 @@ class GraphedSampler:
         film_observation = None
         if global_cond is not None:
             film_observation = torch.nn.functional.mish(global_cond) @ self._film_weight.t()
+        if self._picard is not None:
+            return self._picard.run(condition_data, condition_mask, local_cond, noise, film_observation,
+                                    budget=self._picard_budget)
         step_films = self._step_films(film_observation, condition_data.shape[0])
         trajectory = torch.where(condition_mask, condition_data, noise[0])
         for i, step_film in enumerate(step_films):
@@ -216,8 +248,9 @@ class FollowingSampler:
     counters) or moved and back (their storage), so that a sampler never mixes new weights with
     tables or graphs of old ones."""
 
-    def __init__(self, unet: ConditionalUnet1D):
+    def __init__(self, unet: ConditionalUnet1D, parallel=None):
         self.unet = unet
+        self.parallel = Picard.of(parallel)
         # This package's U-Net has a fixed module tree; walking it (unet.parameters()) took
         # ~0.2 ms a call, more than the rest of a graphed policy call's host work.
         self._modules = list(unet.modules())
@@ -236,7 +269,7 @@ class FollowingSampler:
                     tuple(p.data_ptr() for p in parameters))
         if full_key() != self.key:
             self.unet.to(device=device)
-            self.sampler = GraphedSampler(self.unet, make_schedule())
+            self.sampler = GraphedSampler(self.unet, make_schedule(), parallel=self.parallel)
             self.key = full_key()  # after the move, which may have given the weights new storage
         return self.sampler
 
@@ -245,6 +278,7 @@ class _CapturedLoop:
     """One captured `_loop` for fixed input shapes, with the static buffers it reads."""
 
     def __init__(self, sampler: GraphedSampler, inputs: Dict[str, Optional[torch.Tensor]]):
+        self.sampler = sampler
         batch = inputs["condition_data"].shape[0]
         print(f"diffusion_policy_accelerated: capturing the {sampler.num_steps}-step denoising loop "
               f"as a CUDA graph for batch {batch} (once per input shape)...", file=sys.stderr, flush=True)
@@ -254,14 +288,32 @@ class _CapturedLoop:
         with torch.cuda.stream(side):  # warm-up: lazy init, cuBLAS handles, allocator pools
             sampler._loop(**self.static)
         torch.cuda.current_stream(sampler.device).wait_stream(side)
+        self.picard_budget = None
+        if sampler._picard is not None and not graph_loops_supported():
+            # No loops in graphs here: the warm-up's iterations, and a quarter more, unrolled.
+            self.picard_budget = sampler.last_iterations + max(2, sampler.last_iterations // 4)
+            print(f"diffusion_policy_accelerated: this CUDA runtime or driver has no graph loops (CUDA 12.4+): "
+                  f"{self.picard_budget} Picard iterations unrolled into the graph (the warm-up took "
+                  f"{sampler.last_iterations}); a call that needs more finishes eagerly", file=sys.stderr, flush=True)
+        sampler._picard_budget = self.picard_budget
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=sampler.capture_stream()):
-            self.output = sampler._loop(**self.static)
+        try:
+            with sampler.capture(self.graph):
+                self.output = sampler._loop(**self.static)
+        finally:
+            sampler._picard_budget = None
+        self.iterations = self.start = None
+        if sampler._picard is not None:
+            self.iterations, self.start = sampler._picard.last_iterations, sampler._picard.last_start
 
     def replay(self, inputs: Dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
         for name, value in inputs.items():
             if value is not None:
                 self.static[name].copy_(value)
         self.graph.replay()
+        if self.iterations is not None:
+            self.sampler._picard.last_iterations = self.iterations
+            if self.picard_budget is not None and int(self.start.min()) < self.sampler.num_steps:
+                return self.sampler._loop(**self.static)  # past the unrolled budget: eagerly
         # A copy, so that the caller's result survives the next replay.
         return self.output.clone()

@@ -11,34 +11,12 @@
 #include <torch/library.h>
 
 #include "common/checks.h"
+#include "common/cuda/strided.cuh"
 #include "common/launch.h"
 #include "denoise_step/denoise_step.h"
 
 namespace dpa {
 namespace {
-
-// Up to this many dimensions model_output is read in place; beyond, from a contiguous copy
-// (read as one dimension).
-constexpr int kMaxStridedDims = 4;
-
-struct StridedLayout {
-  int dims;
-  int64_t size[kMaxStridedDims];
-  int64_t stride[kMaxStridedDims];
-};
-
-// The storage offset of element i (in row-major order of the sizes).
-__device__ __forceinline__ int64_t offset_of(const StridedLayout& t, int64_t i) {
-  int64_t offset = 0;
-#pragma unroll
-  for (int d = kMaxStridedDims - 1; d >= 0; --d) {
-    if (d < t.dims) {
-      offset += (i % t.size[d]) * t.stride[d];
-      i /= t.size[d];
-    }
-  }
-  return offset;
-}
 
 template <typename scalar_t>
 __global__ void denoise_step_kernel(const scalar_t* __restrict__ model_output,
@@ -78,11 +56,8 @@ at::Tensor denoise_step_cuda(const at::Tensor& model_output, const at::Tensor& s
                               prediction_type, clip_sample_range, use_clipped_model_output,
                               condition_data, condition_mask);
   const c10::cuda::CUDAGuard guard(sample.device());
-  const at::Tensor m =
-      model_output.dim() > kMaxStridedDims ? model_output.contiguous().view(-1) : model_output;
-  StridedLayout layout{};
-  layout.dims = static_cast<int>(m.dim());
-  for (int d = 0; d < layout.dims; ++d) layout.size[d] = m.size(d), layout.stride[d] = m.stride(d);
+  at::Tensor m;
+  const StridedLayout layout = strided_of(model_output, m);
   const at::Tensor s = sample.contiguous();
   const auto n = contiguous_or_none(noise);
   const auto known = contiguous_or_none(condition_data), mask = contiguous_or_none(condition_mask);
