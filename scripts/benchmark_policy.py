@@ -17,30 +17,30 @@ centre-cropped to 84x84, 2 observation steps, horizon 16):
 max|da|: the largest action difference from the eager policy on the same observations and
 noise (DDIM draws only the initial noise, so this is rounding and TF32).
 
-The policies are the stand-ins of tests/dp_policies.py (Diffusion Policy is not on PyPI), with
+The policies are the stand-ins of tests/support/dp_policies.py (Diffusion Policy is not on PyPI), with
 random weights. Wall-clock medians after warm-up of synchronised calls, so host work counts.
 PyTorch's default precision settings, as a policy runs by default: cuDNN's convolutions (the
 encoder's) may use TF32, matrix products do not (--no-tf32: neither).
 Writes JSON and a PNG plot.
 
-    python scripts/benchmark_policy.py [--policy lowdim image1 image3] [--batch 1 8]
+    python -m scripts.benchmark_policy [--policy lowdim image1 image3] [--batch 1 8]
                                        [--schedule DDIM-16 DDPM-100] [--no-tf32] [--out DIR]
+
+(run from the repository's root, as a module: it builds the policies from tests/support's copy
+of Diffusion Policy's module tree)
 """
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes  # noqa: E402
-
-from diffusion_policy_accelerated import ConditionalUnet1D, accelerate  # noqa: E402
-from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.tools.profiling import plot_grouped_bars, wall_ms  # noqa: E402
+from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.tools.profiling import plot_grouped_bars, wall_ms
+from tests.support.dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
 POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras

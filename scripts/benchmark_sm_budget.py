@@ -18,7 +18,7 @@ Per budget, U-Net and batch, side by side:
 and a probe: an fp32 8192^3 matmul graphed, whose speed against the largest budget's (the whole
 GPU's where it is one) shows that the context does confine the work.
 
-    python scripts/benchmark_sm_budget.py [--sms 16 48 108 132] [--unet lowdim image] [--batch 1]
+    python -m scripts.benchmark_sm_budget [--sms 16 48 108 132] [--unet lowdim image] [--batch 1]
                                           [--schedule DDPM-100] [--out DIR]
 """
 import argparse
@@ -30,14 +30,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import SCHEDULES, graphed_pytorch_loop, loop_inputs  # noqa: E402
-
-from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
-from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.tools.profiling import median_ms  # noqa: E402
-from diffusion_policy_accelerated.kernels.config import kernel_config  # noqa: E402
-from diffusion_policy_accelerated.sampling.sampler import GraphedSampler  # noqa: E402
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.kernels.config import kernel_config
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
+from diffusion_policy_accelerated.tools.profiling import median_ms
+from scripts.benchmark import SCHEDULES, graphed_pytorch_loop, loop_inputs
 
 METHODS = ("graph", "ours", "ours portable", "ours unplanned")
 
@@ -141,7 +139,7 @@ def main(argv=None):
           f"TF32 off", flush=True)
     results = []
     for budget in args.sms:
-        command = [sys.executable, __file__, "--worker", str(budget), "--unet", *args.unet,
+        command = [sys.executable, "-m", __spec__.name, "--worker", str(budget), "--unet", *args.unet,
                    "--batch", *map(str, args.batch), "--schedule", args.schedule]
         done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
         if done.returncode != 0:

@@ -26,9 +26,10 @@ echo "torch $torch_version: CPU-only build"
 DPA_CPU_ONLY=1 MAX_JOBS=${MAX_JOBS:-2} "$venv/bin/python" setup.py -q build_ext --inplace >build.log 2>&1 \
   || { tail -40 build.log; exit 1; }
 echo "torch $torch_version: tests"
-DPA_CPU_ONLY=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_extension.py tests/test_conv1d.py \
-  tests/test_conv1d_gn_mish.py tests/test_conv1d_gn_mish_shortcut.py tests/test_residual_block.py tests/test_model.py \
-  tests/test_sampler.py tests/test_schedulers.py tests/test_accelerate.py tests/test_checkpoint.py
+DPA_CPU_ONLY=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/kernels/test_extension.py \
+  tests/kernels/test_conv1d.py tests/kernels/test_conv1d_gn_mish.py tests/kernels/test_conv1d_gn_mish_shortcut.py \
+  tests/kernels/test_residual_block.py tests/model tests/sampling/test_sampler.py \
+  tests/sampling/test_picard.py tests/adapters/test_accelerate.py tests/adapters/test_checkpoint.py
 cuda_include=${CUDA_HOME:-/usr/local/cuda}/include
 if [ ! -f "$cuda_include/cuda_runtime.h" ]; then
   echo "torch $torch_version: no CUDA toolkit at ${CUDA_HOME:-/usr/local/cuda}: the CUDA host files not compiled"

@@ -5,24 +5,21 @@ per action chunk, off / on / off / on, for the lowdim and image U-Nets in bf16 a
 SM budget (a CUDA green context per budget, in a process of its own, as
 scripts/benchmark_sm_budget.py).
 
-    python scripts/dev/portable_half_routes.py [--sms 16 48 132] [--positions 8]
+    python -m scripts.dev.portable_half_routes [--sms 16 48 132] [--positions 8]
 """
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(SCRIPTS))
-from benchmark import SCHEDULES, loop_inputs  # noqa: E402
-from benchmark_sm_budget import current_context_sms  # noqa: E402
+from scripts.benchmark import SCHEDULES, loop_inputs
+from scripts.benchmark_sm_budget import current_context_sms
 
-from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule  # noqa: E402
-from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS  # noqa: E402
-from diffusion_policy_accelerated.tools.profiling import median_ms  # noqa: E402
-from diffusion_policy_accelerated.kernels.config import KernelConfig, kernel_config  # noqa: E402
+from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
+from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
+from diffusion_policy_accelerated.tools.profiling import median_ms
+from diffusion_policy_accelerated.kernels.config import KernelConfig, kernel_config
 
 
 def worker(budget, rule):
@@ -71,7 +68,7 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  portable launches, batch 1, horizon "
           f"{HORIZON}, DDPM-100, on: GEMMs from {args.positions} positions", flush=True)
     for budget in args.sms:
-        subprocess.run([sys.executable, __file__, "--worker", str(budget), "--positions", str(args.positions)],
+        subprocess.run([sys.executable, "-m", __spec__.name, "--worker", str(budget), "--positions", str(args.positions)],
                        check=True)
 
 

@@ -11,9 +11,8 @@ from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule, Pic
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.model.configs import SCHEDULER_CONFIG
 from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
-from conftest import DEVICES, check_bad_input
+from tests.support import DEVICES, check_bad_input
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def schedule(kind="ddpm", steps=12, **options):
@@ -110,7 +109,7 @@ def test_picard_update(device, kind, inpaint):
         assert state.tolist() == [6, 0, 0]
 
 
-@CUDA
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,window", [(1, 16), (5, 3), (64, 8)])
 def test_picard_update_cuda_equals_cpu(batch, window):
     """Odd and large batches, a window past the end; poisoned states beyond it stay poisoned."""
@@ -221,7 +220,7 @@ def test_a_loose_tolerance_takes_fewer_iterations(device):
     assert counts[2] == 4  # every state accepted: the window moves by its length, 40 / 10
 
 
-@CUDA
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_graph_loop_replays_the_eager_loop(dtype):
     """The CUDA graph (a loop node; the iterations counted on the device) against the same

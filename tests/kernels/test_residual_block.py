@@ -14,9 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.kernels.config import kernel_config
-from conftest import DEVICES, check_bad_input, check_mixed_devices, poison_allocator, run_behind_a_sleep
-from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
-from test_conv1d_gn_mish_shortcut import shortcut_reference, split_input
+from tests.support import DEVICES, check_bad_input, check_mixed_devices, poison_allocator, run_behind_a_sleep
+from tests.kernels.test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
+from tests.kernels.test_conv1d_gn_mish_shortcut import shortcut_reference, split_input
 
 # (batch, in_channels, out_channels, length, kernel_size, groups); a shortcut exactly where
 # the channel count changes, as in the U-Net. The lowdim U-Net's blocks at horizon 16 and
@@ -175,7 +175,7 @@ def kernel_launches(run, name):
     return sum(e.count for e in prof.key_averages() if name in e.key)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
     """On the GEMM route the first conv's epilogue writes the second conv's im2col columns
@@ -194,7 +194,7 @@ def test_gemm_route_fuses_and_matches_the_separate_ops(dtype):
             assert im2cols == (1 if held else 2), f"{shape}: {im2cols} im2col launches"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_taps_major_weights_take_the_gemm_route_at_any_size(dtype):
     """Below KernelConfig.gemm_min_positions contiguous weights stream; taps-major ones (the
@@ -218,7 +218,7 @@ SLICED_CASES = [((2, 512, 512, 64, 5, 8), None), ((2, 64, 512, 64, 5, 8), None),
                 ((2, 1024, 256, 40, 5, 8), 512)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sliced_groups_stay_fused_with_taps_major_weights(dtype):
     """Each of the sliced epilogue's kernels (cluster on Hopper, cooperative, two launches):
@@ -275,7 +275,7 @@ def test_channels_last_output_holds_the_same_values(shape, skip_from, taps_major
     assert torch.equal(stored, out), "values differ from the default layout's (or were not written)"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_channels_last_input_is_read_in_place(dtype):
     """With a taps-major first weight, an x stored channels-last (a previous block's
@@ -305,7 +305,7 @@ def test_channels_last_input_is_read_in_place(dtype):
     torch.testing.assert_close(out, ops.residual_block(**dict(second, x=h.contiguous())), **TOLERANCES[dtype])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 def test_cuda_graph_replay(route, threshold):
     """Captured and replayed with new inputs copied in, as GraphedSampler does."""
@@ -322,7 +322,7 @@ def test_cuda_graph_replay(route, threshold):
             torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[torch.float32])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_ordered_on_the_callers_stream(dtype):
     """On the GEMM route the shortcut's GEMM runs on a side stream (in half precision, and in
@@ -338,7 +338,7 @@ def test_ordered_on_the_callers_stream(dtype):
                 torch.testing.assert_close(out.cpu().double(), block_reference(args), **TOLERANCES[dtype])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_captures_on_two_threads_at_once():
     """Two threads capturing at the same time, each on its own stream (a server with a model
     copy per stream): each caller's stream forks to a side stream of its own, where a shared
@@ -445,7 +445,7 @@ def test_bad_input_raises(change, error, text, device):
     check_bad_input(ops.residual_block, good_args(device), change, error, text, device)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["x", "weight", "weight2", "bias2", "gn_weight2", "shortcut_weight", "film",
                                   "counters", "skip"])
 def test_mixed_devices_raise(name):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import diffusion_policy_accelerated.model.unet as model_mod
 from diffusion_policy_accelerated.model.unet import Conv1dBlock, ConditionalUnet1D
 from diffusion_policy_accelerated.kernels.config import current_kernel_config, kernel_config
-from dp_reference import RefUnet, randomize_
+from tests.support.dp_reference import RefUnet, randomize_
 
 PKG_DIR = Path(model_mod.__file__).resolve().parent
 
@@ -335,7 +335,6 @@ def test_import_does_not_load_extension():
 # Fused path with the compiled extension, against the float64 reference.
 # --------------------------------------------------------------------------------------
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture
@@ -438,7 +437,6 @@ def test_fused_cpu_half(name, dtype, counted_ops):
     _check_fused(name, dtype, "cpu", counted_ops)
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
@@ -449,7 +447,6 @@ def test_fused_cuda(name, dtype, counted_ops, no_tf32):
     _check_fused(name, dtype, "cuda", counted_ops, batch=batch, horizon=horizon)
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_fused_cuda_long_horizon_batch_1(dtype, counted_ops, no_tf32):
@@ -465,10 +462,7 @@ def test_fused_cuda_long_horizon_batch_1(dtype, counted_ops, no_tf32):
     _check_fused("default", dtype, "cuda", counted_ops, batch=1, horizon=64)
 
 
-@needs_cuda
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs Hopper or newer")
+@pytest.mark.gpu(capability=9)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 2, 8])
 def test_gemm_route_graph_bits_with_and_without_pdl(batch, dtype, no_tf32):
@@ -497,7 +491,6 @@ def test_gemm_route_graph_bits_with_and_without_pdl(batch, dtype, no_tf32):
         assert torch.equal(replay, replays[0])
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [3, 64])
@@ -521,7 +514,6 @@ def test_residual_blocks_are_one_op_on_the_gemm_route(batch, dtype, counted_ops,
     assert counted_ops["residual_blocks"] - before == expected
 
 
-@needs_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("batch, horizon, calls, half_channels_last",
@@ -554,7 +546,6 @@ def test_blocks_hand_on_channels_last_outputs_where_the_next_reads_them_so(batch
     assert sum(layouts) == (0 if dtype == torch.float32 else half_channels_last)
 
 
-@needs_cuda
 @pytest.mark.gpu
 def test_gemm_route_weight_copies_follow_the_weights():
     """On the GEMM route in half precision the model passes taps-major copies of its conv
@@ -602,7 +593,7 @@ def test_conv1d_block_shapes_lists_every_fused_call():
     assert (3, 128, 128, 4, 5, 8) in shapes            # the mid blocks run at horizon / 4
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("change,text", [
     (dict(global_cond=torch.zeros(3, 39)), re.escape("global_cond must be [3, 40] (global_cond_dim=40) for sample "
                                                      "[3, 16, 2], got [3, 39]")),

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.kernels.config import kernel_config
-from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
+from tests.support import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator, run_behind_a_sleep)
-from test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
+from tests.kernels.test_conv1d_gn_mish import FILM_LAYOUTS, TOLERANCES, film_and_residual, make_inputs, reference
 
 # (batch, in_channels, out_channels, length, kernel_size, groups) of the residual blocks that
 # change the channel count: lowdim U-Net (action dim 2), image U-Net (action dim 10), at
@@ -116,7 +116,7 @@ def test_counters_are_left_zero_and_reusable(device):
             assert int(counters.abs().sum()) == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_misaligned_shortcut_weight_takes_two_launches(dtype):
     """A shortcut weight 16-byte misaligned cannot use the vector loads the first conv's can:
@@ -148,7 +148,7 @@ PAIR_CASES = [((1, 2, 256, 16, 5, 8), None, None), ((1, 256, 512, 8, 5, 8), None
 LOWDIM_PAIRS = PAIR_CASES[:5]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_both_streaming_kernels(clusters, dtype):
@@ -164,8 +164,7 @@ def test_both_streaming_kernels(clusters, dtype):
             assert torch.equal(out, again) and torch.equal(short, short_again), f"{shape}: a second run differs"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a Hopper or newer GPU")
+@pytest.mark.gpu(capability=9)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape,channels,skip_from", LOWDIM_PAIRS, ids=str)
 def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
@@ -174,7 +173,7 @@ def test_lowdim_pairs_take_clusters(shape, channels, skip_from, dtype):
     assert_one_cluster_launch(lambda: check(shape, dtype, "cuda", shortcut_channels=channels, skip_from=skip_from))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_both_cuda_routes(route, threshold, dtype):
@@ -188,7 +187,7 @@ def test_both_cuda_routes(route, threshold, dtype):
             check(shape, dtype, "cuda", skip_from=shape[1] // 2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(64, 256, 512, 8, 5, 8), (33, 12, 20, 3, 3, 2)], ids=str)
 def test_ordered_on_the_callers_stream(shape, dtype):
@@ -277,7 +276,7 @@ def test_bad_input_raises(change, error, text, device):
     check_bad_input(ops.conv1d_gn_mish_shortcut, good_args(device), change, error, text, device)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["x", "weight", "shortcut_weight", "shortcut_bias", "film", "counters", "skip"])
 def test_mixed_devices_raise(name):
     args = good_args("cuda")

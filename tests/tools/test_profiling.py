@@ -362,7 +362,7 @@ def test_call_graph_png(tmp_path, monkeypatch):
 
 def _script(monkeypatch, relative):
     """scripts/<relative> loaded as a module, its folder on sys.path as when it runs."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / relative
+    path = Path(__file__).resolve().parents[2] / "scripts" / relative
     monkeypatch.syspath_prepend(str(path.parent))
     spec = importlib.util.spec_from_file_location("dpa_script_" + path.stem, path)
     module = importlib.util.module_from_spec(spec)

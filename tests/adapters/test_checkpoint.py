@@ -22,7 +22,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from diffusion_policy_accelerated.adapters.checkpoint import (  # noqa: E402
     DiffusionPolicyCheckpoint, load_checkpoint, unet_config_from_state_dict)
-from dp_reference import RefUnet, randomize_  # noqa: E402
+from tests.support.dp_reference import RefUnet, randomize_  # noqa: E402
 
 try:
     import dill

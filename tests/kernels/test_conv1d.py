@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.kernels.config import kernel_config
 from diffusion_policy_accelerated.model.unet import ConditionalUnet1D
-from conftest import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
+from tests.support import (DEVICES, assert_one_cluster_launch, check_bad_input, check_mixed_devices,
                       clusters_enabled, poison_allocator)
 
 # Tolerances per dtype, on outputs of size ~1 (weights scaled like PyTorch's default init):
@@ -253,7 +253,7 @@ def test_transposed_weight_layout_is_checked(device):
         ops.conv1d(args["x"], args["weight"], args["bias"], 2, 1, transposed=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["x", "weight", "bias", "residual", "counters"])
 def test_mixed_devices_raise(name):
     args = good_args("cuda")
@@ -262,7 +262,7 @@ def test_mixed_devices_raise(name):
     check_mixed_devices(ops.conv1d, args, name)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("route,threshold", [("streaming kernels", 1 << 62), ("im2col + GEMM", 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -293,7 +293,7 @@ STREAMING_SHAPES = LOWDIM_STREAMING_SHAPES + [
     (1, 1, 40, 8, 4, 2, 1, True), (1, 3, 5, 7, 3, 1, 1, False)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_both_streaming_kernels(clusters, dtype):
@@ -306,8 +306,7 @@ def test_both_streaming_kernels(clusters, dtype):
             check(shape, dtype, "cuda", seed=seed, with_residual=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs a Hopper or newer GPU")
+@pytest.mark.gpu(capability=9)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", LOWDIM_STREAMING_SHAPES, ids=str)
 def test_lowdim_convs_take_clusters(shape, dtype):
@@ -317,7 +316,7 @@ def test_lowdim_convs_take_clusters(shape, dtype):
     assert_one_cluster_launch(lambda: check(shape, dtype, "cuda"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
 def test_programmatic_dependent_launch_chain(pdl):
     """Back-to-back streaming kernels, each reading the last one's output, inside a CUDA graph

@@ -14,7 +14,7 @@ from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig  
 
 import diffusion_policy_accelerated as dpa  # noqa: E402
 from diffusion_policy_accelerated.adapters import lerobot as dpa_lerobot  # noqa: E402
-from conftest import DEVICES  # noqa: E402
+from tests.support import DEVICES  # noqa: E402
 
 # fp32 actions against LeRobot's fp32 loop on the same noise (DDIM with few steps: with many,
 # LeRobot's own fp32 loop is that far from fp64 at the last steps' alphas).
@@ -138,7 +138,7 @@ def test_state_dict_and_save_pretrained_stay_lerobots(tmp_path):
         assert torch.equal(value.cpu(), expected.cpu()), key
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_policy_moved_after_accelerate():
     """policy.to("cuda") after accelerate moves the shared weights; the sampler follows them
     (and captures a CUDA graph there)."""
@@ -288,7 +288,7 @@ def _benchmark_script():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_lerobot.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "benchmark_lerobot.py"
     spec = importlib.util.spec_from_file_location("dpa_benchmark_lerobot", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -7,11 +7,11 @@ import torch
 import torch.nn as nn
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
-from conftest import DEVICES
+from tests.support import DEVICES
 from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
 from diffusion_policy_accelerated.adapters.diffusion_policy import unet_from_diffusion_policy
-from dp_policies import ImagePolicy, LowdimPolicy, Sizes, TinyObsEncoder
-from dp_reference import RefUnet, randomize_
+from tests.support.dp_policies import ImagePolicy, LowdimPolicy, Sizes, TinyObsEncoder
+from tests.support.dp_reference import RefUnet, randomize_
 
 SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
                         prediction_type="epsilon")

@@ -8,7 +8,7 @@ from diffusers import DDIMScheduler, DDPMScheduler
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
-from conftest import DEVICES
+from tests.support import DEVICES
 
 SCHEDULER_CONFIG = dict(num_train_timesteps=100, beta_schedule="squaredcos_cap_v2", clip_sample=True,
                         prediction_type="epsilon")
@@ -124,7 +124,7 @@ def test_seeded_calls_are_reproducible_and_fresh_inputs_give_fresh_answers(devic
     assert not torch.allclose(first, moved)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_call_is_one_graph_replay():
     _, schedule, sampler = build("cuda")
     kwargs = make_inputs(1, "cuda", seed=0, steps=len(schedule.timesteps))
@@ -136,7 +136,7 @@ def test_cuda_call_is_one_graph_replay():
     assert sum("cudaGraphLaunch" in n for n in names) == 1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_long_horizon_graph_replays_match_the_eager_loop(dtype):
     """At horizon 64 the default-width U-Net's 64- and 32-position levels have GroupNorm groups

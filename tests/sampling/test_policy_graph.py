@@ -10,14 +10,13 @@ import torch
 import torch.nn as nn
 from diffusers import DDIMScheduler
 
-from conftest import DEVICES
+from tests.support import DEVICES
 from diffusion_policy_accelerated import accelerate
-from dp_policies import ImagePolicy, ResNetObsEncoder, Sizes
-from dp_reference import RefUnet, randomize_
-from test_accelerate import ACTION_TOLERANCE, SCHEDULER_CONFIG, UNET_SIZE, make_policy, max_abs_difference, predict
-from test_accelerate import make_obs as make_obs_for
+from tests.support.dp_policies import ImagePolicy, ResNetObsEncoder, Sizes
+from tests.support.dp_reference import RefUnet, randomize_
+from tests.adapters.test_accelerate import ACTION_TOLERANCE, SCHEDULER_CONFIG, UNET_SIZE, make_policy, max_abs_difference, predict
+from tests.adapters.test_accelerate import make_obs as make_obs_for
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SIZES = Sizes(horizon=16, n_obs_steps=2, n_action_steps=8, action_dim=2)
 IMAGE, CROP, AGENT_POS_DIM = (3, 24, 24), 20, 2
 
@@ -62,7 +61,7 @@ def test_resnet_image_policy_actions_equal_the_policys_own(cameras, device):
         assert accelerated.conditional_sample.sampler._graphs == {}
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_unseeded_calls_draw_the_noise_the_eager_calls_draw():
     """Seeded once, then called again and again: each graphed call advances the generator as
     the eager call does (the first one included, whose capture draws too)."""
@@ -79,7 +78,7 @@ def test_unseeded_calls_draw_the_noise_the_eager_calls_draw():
     assert not torch.allclose(actions["accelerated"][0]["action"], actions["accelerated"][1]["action"])
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_whole_graph_off_keeps_the_encoder_eager():
     reference = resnet_policy(1, "cuda")
     accelerated = accelerate(copy.deepcopy(reference), whole_graph=False)
@@ -113,7 +112,7 @@ class CountingEncoder(SynchronisingEncoder):
         return self.encoder(obs) + self.calls
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("wrapper,reason", [(SynchronisingEncoder, "capture failed"),
                                             (CountingEncoder, "first replay differs")])
 def test_an_encoder_a_graph_cannot_hold_runs_eagerly_after_one_warning(wrapper, reason):
@@ -135,7 +134,7 @@ def test_an_encoder_a_graph_cannot_hold_runs_eagerly_after_one_warning(wrapper, 
                 <= ACTION_TOLERANCE
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("whole_graph", [True, False])
 def test_weights_loaded_moved_or_replaced_after_capture_are_followed(whole_graph):
     """Weights loaded in place are read by the graphs as they are; a move to the CPU and back
@@ -157,7 +156,7 @@ def test_weights_loaded_moved_or_replaced_after_capture_are_followed(whole_graph
     assert max_abs_difference(predict(accelerated, obs, 3), predict(reference, obs, 3)) <= ACTION_TOLERANCE
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_a_callers_own_capture_holds_the_whole_call():
     """predict_action inside a CUDA graph the caller captures: the call and the loop join it."""
     reference = resnet_policy(1, "cuda")
@@ -180,7 +179,7 @@ def test_a_callers_own_capture_holds_the_whole_call():
 ENCODER_TOLERANCES = {torch.float16: 0.05, torch.bfloat16: 0.1}
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("encoder_dtype", [None, torch.float16, torch.bfloat16])
 def test_half_precision_and_channels_last_encoder(encoder_dtype, channels_last):

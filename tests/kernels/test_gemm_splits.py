@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from diffusion_policy_accelerated.kernels.config import kernel_config
-import test_conv1d as conv1d_tests
-import test_conv1d_gn_mish as gn_mish_tests
-import test_conv1d_gn_mish_shortcut as shortcut_tests
-import test_residual_block as block_tests
+from tests.kernels import test_conv1d as conv1d_tests
+from tests.kernels import test_conv1d_gn_mish as gn_mish_tests
+from tests.kernels import test_conv1d_gn_mish_shortcut as shortcut_tests
+from tests.kernels import test_residual_block as block_tests
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.gpu
 
 
 def whole_and_split(run):

@@ -26,7 +26,7 @@ from diffusion_policy_accelerated.serving.policies import (  # noqa: E402
 from diffusion_policy_accelerated.serving.protocol import ActRequest, RequestError, TensorSpec  # noqa: E402
 from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E402
 
-from conftest import DEVICES  # noqa: E402
+from tests.support import DEVICES  # noqa: E402
 
 # Actions of a row computed in batches of different sizes: the same math, summed in other
 # orders by the batch's kernels (fp32).
@@ -401,7 +401,7 @@ def test_instances_run_batches_side_by_side(demo_policy, instances):
         assert start2 >= end1, f"one instance ran two batches at once: {spans}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_instances_side_by_side():
     """Two CUDA instances (their own graphs and streams) acting at once from two threads, as
     the server's workers do, give each seeded request the action it gets alone."""

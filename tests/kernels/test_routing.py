@@ -97,7 +97,7 @@ def test_a_threads_config_is_its_own():
     assert seen == {"worker": 7, "main": 32}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_the_ops_read_the_threads_config():
     """The extension reads the calling thread's configuration at launch: with
     gemm_min_positions 1 a batch-1 conv takes the GEMM route (an im2col launch shows in the
@@ -275,7 +275,7 @@ def test_explain_names_every_conv_and_its_route():
                 (batch, dtype, route)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch,dtype", [(1, torch.float32), (3, torch.bfloat16), (8, torch.float32),
                                          (2, torch.float16), (64, torch.bfloat16)], ids=str)
 def test_explain_matches_what_the_model_runs(batch, dtype, monkeypatch):
@@ -429,7 +429,7 @@ def test_kernel_config_reaches_cpp_by_field_name():
     ops._C.clear_thread_kernel_config()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_hopper_launches_need_hopper_code():
     """The ops take Hopper's clusters and programmatic dependent launch only on a Hopper or
     newer GPU whose kernels carry Hopper code (common/cuda/hopper_code.cu reads the library's

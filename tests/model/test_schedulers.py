@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import DDIMScheduler, DDPMScheduler
 
-from conftest import DEVICES
+from tests.support import DEVICES
 from diffusion_policy_accelerated.model.schedulers import (DenoiseSchedule, alphas_cumprod_from_config)
 
 SCHEDULER_CLASSES = {"ddpm": DDPMScheduler, "ddim": DDIMScheduler}
@@ -446,7 +446,7 @@ def test_step_rejects_mismatched_tensors():
         schedule.step(x, 0, x, x.half())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["table", "model_output", "noise", "condition_data", "condition_mask"])
 def test_op_rejects_tensors_on_other_devices(name):
     on_cuda = dict(model_output=torch.zeros(SHAPE, device="cuda"),

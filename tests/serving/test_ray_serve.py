@@ -15,7 +15,7 @@ from diffusion_policy_accelerated.serving.client import PolicyClient, RequestRej
 from diffusion_policy_accelerated.serving.policies import PolicySource, load_policy  # noqa: E402
 from diffusion_policy_accelerated.serving.ray_serve import build_app  # noqa: E402
 
-from test_serving import COND, TOLERANCE, act_one, observation  # noqa: E402
+from tests.serving.test_serving import COND, TOLERANCE, act_one, observation  # noqa: E402
 
 SOURCE = PolicySource(device="cpu", scheduler="ddim", steps=2)
 APP = "dpa"

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.kernels.config import kernel_config
 from diffusion_policy_accelerated.model.unet import ConditionalUnet1D, conv1d_block_shapes
-from conftest import DEVICES, check_bad_input, check_mixed_devices, clusters_enabled, poison_allocator
+from tests.support import DEVICES, check_bad_input, check_mixed_devices, clusters_enabled, poison_allocator
 
 # Tolerances per dtype (compared after the output is rounded to that dtype):
 #  fp32: fp32 accumulation of up to ~20k products, then normalisation: ~1e-5, margin x10.
@@ -132,7 +132,7 @@ def _batch_1_layout(x, layout):
     return x
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["contiguous", "slice of wider rows", "channels-last", "every other position"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(1, 96, 64, 20, 5, 8), (1, 64, 512, 64, 5, 8)], ids=str)
@@ -148,7 +148,7 @@ def test_taps_major_reads_x_in_place_at_batch_1(shape, dtype, layout):
     torch.testing.assert_close(out.cpu().double(), reference(x, w, b, gamma, beta, groups), **TOLERANCES[dtype])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_portable_launches_take_half_precision_gemms_from_8_positions(dtype):
     """Without clusters and PDL (a GPU before Hopper; here both switched off) half-precision
@@ -357,7 +357,7 @@ def test_bad_input_raises(change, error, text, device):
     check_bad_input(ops.conv1d_gn_mish, good_args(device), change, error, text, device)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["x", "weight", "bias", "gn_weight", "gn_bias", "film", "residual",
                                   "counters"])
 def test_mixed_devices_raise(name):
@@ -367,7 +367,7 @@ def test_mixed_devices_raise(name):
     check_mixed_devices(ops.conv1d_gn_mish, args, name)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("route,threshold", [("streaming kernel", 1 << 62), ("im2col + GEMM", 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_both_cuda_routes(route, threshold, dtype):
@@ -401,7 +401,7 @@ GROUP_SHAPES = [(1, 64, 512, 16, 5, 8), (3, 32, 520, 16, 5, 8), (1, 64, 2048, 16
                 (20, 32, 520, 16, 5, 8), (160, 8, 8, 1025, 5, 1), (1, 8, 256, 1100, 3, 1)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("counters", [False, True], ids=["no-counters", "counters"])
 @pytest.mark.parametrize("taps_major", [False, True], ids=["im2col", "taps-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -433,7 +433,7 @@ SLICED_WAYS = {"cluster": (dict(), "group_slices_cluster_kernel"),
                "two launches": (dict(clusters=False, cooperative_group_norm=False), "group_slice_moments_kernel")}
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sliced_group_norm_ways_give_the_same_bits(dtype):
     """The cluster (Hopper), the one cooperative launch and the two launches merge the same
@@ -488,7 +488,7 @@ CLUSTER_SHAPES = [(1, 256, 256, 16, 5, 8), (1, 1024, 1024, 4, 5, 8), (1, 2048, 2
                   (1, 4096, 32, 16, 5, 2)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_both_streaming_kernels(clusters, dtype):
@@ -510,7 +510,7 @@ def test_both_streaming_kernels(clusters, dtype):
             assert torch.equal(out, run()), f"{shape}: a second run differs"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("clusters", [True, False], ids=["cluster per group", "split-K blocks"])
 def test_launch_trace(clusters):
     """ops._C.start_launch_trace (scripts/dev/trace_conv.py): one row per block of each launch, the
@@ -543,7 +543,7 @@ def test_launch_trace(clusters):
         ops._C.start_launch_trace(torch.zeros(8, 5, dtype=torch.int64, device="cuda"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("clusters", [True, False], ids=["clusters", "split-K blocks"])
 def test_sm_count_sizes_the_waves(clusters):
     """KernelConfig.sm_count: the launch plans fill that many SMs, not the device's. A split-K
@@ -650,7 +650,7 @@ def lanes_env(lanes):
     """The environment with DPA_CPU_VECTOR_LANES set to `lanes` (None: unset, the widest), and
     the repository on PYTHONPATH (the package may be built in place, not installed)."""
     env = {k: v for k, v in os.environ.items() if k != "DPA_CPU_VECTOR_LANES"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent)]
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                         + [p for p in [os.environ.get("PYTHONPATH")] if p])
     return env if lanes is None else dict(env, DPA_CPU_VECTOR_LANES=str(lanes))
 
@@ -679,7 +679,7 @@ def test_cpu_bf16_dot_product_runs():
     assert digests[0] != digests[1], "the bf16 dot-product kernel gave the AVX-512 kernel's bits: it did not run"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_sliced_group_norm_on_fewer_sms_than_planned_for():
     """In a process confined to 16 SMs (a CUDA green context) that did not say so
     (KernelConfig.sm_count unset), the sliced GroupNorm's 128 blocks are more than 16 SMs hold

@@ -9,7 +9,7 @@ import torch
 
 from diffusion_policy_accelerated.kernels import library, ops
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_prebuilt_module_matches_this_torch():

@@ -23,14 +23,13 @@ import torch
 from diffusion_policy_accelerated.kernels import ops
 from diffusion_policy_accelerated.kernels import routing
 from diffusion_policy_accelerated.kernels.config import kernel_config
-from conftest import poison_allocator
-import test_conv1d as conv1d_tests
-import test_conv1d_gn_mish as gn_mish_tests
-import test_conv1d_gn_mish_shortcut as shortcut_tests
-import test_residual_block as block_tests
+from tests.support import poison_allocator
+from tests.kernels import test_conv1d as conv1d_tests
+from tests.kernels import test_conv1d_gn_mish as gn_mish_tests
+from tests.kernels import test_conv1d_gn_mish_shortcut as shortcut_tests
+from tests.kernels import test_residual_block as block_tests
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8,
-                                reason="needs a CUDA GPU since Ampere (cp.async)")
+pytestmark = pytest.mark.gpu(capability=8)  # cp.async
 
 
 def splits(cin, cout, k, positions):

@@ -70,7 +70,7 @@ def test_unet_rejects_what_it_cannot_compute(unet, change, error, text):
     assert not [e.name for e in prof.events() if e.name.startswith(("dpa::", "aten::conv", "aten::linear"))]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_unet_names_an_input_on_another_device():
     args = unet_inputs()
     on_gpu = ConditionalUnet1D(**UNET).cuda().eval()
