@@ -1,7 +1,7 @@
 """Builds `diffusion_policy_accelerated._C`: the CPU kernels, and the CUDA kernels for what this
 machine needs (kernels/library.py, plan_build): the archs of TORCH_CUDA_ARCH_LIST where it is
 set, else those of the visible GPUs, else none (CPU-only). It prints the decision and records
-it beside the library (_C.build.json), where the demo reads it.
+it beside the library (<library file>.build.json), where the demo reads it.
 
 Install with `pip install --no-build-isolation -e .` (the build needs the torch you run with;
 add -v to see the decision and each file's [n/N] compile line). Environment:

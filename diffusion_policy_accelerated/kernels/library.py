@@ -17,7 +17,9 @@ import torch
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # The build decision, written by setup.py next to the `_C` library it built.
-BUILD_RECORD = "_C.build.json"
+# Beside each library file, its name plus this: one record a library (a checkout can hold
+# libraries of several Pythons).
+BUILD_RECORD = ".build.json"
 # No FMA contraction: denoise_step is bit-exact. OpenMP: ATen's at::parallel_for is a header
 # whose threads are an `omp parallel` region, so without it the CPU ops ran on one thread
 # (torch links its own libgomp, which the extension then shares).
@@ -129,15 +131,15 @@ def current_build_plan() -> BuildPlan:
 
 def write_build_record(plan: BuildPlan, library_path) -> Path:
     """Records `plan` beside the library at `library_path` (setup.py, after a build)."""
-    path = Path(library_path).parent / BUILD_RECORD
+    path = Path(str(library_path) + BUILD_RECORD)
     path.write_text(json.dumps({**asdict(plan), "torch": torch.__version__}, indent=1) + "\n")
     return path
 
 
-def read_build_record(folder) -> Optional[BuildPlan]:
-    """The plan recorded beside the prebuilt library in `folder`, or None (none recorded)."""
+def read_build_record(library_path) -> Optional[BuildPlan]:
+    """The plan recorded beside the prebuilt library at `library_path`, or None (none recorded)."""
     try:
-        record = json.loads((Path(folder) / BUILD_RECORD).read_text())
+        record = json.loads(Path(str(library_path) + BUILD_RECORD).read_text())
         return BuildPlan(bool(record["with_cuda"]), record["archs"], str(record["reason"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -199,5 +201,5 @@ def load_extension():
         from .. import _C
     except ImportError:
         return jit_build()
-    _loaded_plan = read_build_record(Path(_C.__file__).parent)
+    _loaded_plan = read_build_record(_C.__file__)
     return _C

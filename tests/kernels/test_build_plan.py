@@ -62,11 +62,13 @@ def test_note_for_the_gpu_it_runs_on(archs, capability, text):
 
 def test_build_record_round_trip(tmp_path):
     plan = BuildPlan(True, "9.0", "the visible GPU: NVIDIA H100 (9.0)")
-    record = write_build_record(plan, tmp_path / "_C.cpython-311-x86_64-linux-gnu.so")
-    assert record == tmp_path / library.BUILD_RECORD
-    assert read_build_record(tmp_path) == plan
+    lib = tmp_path / "_C.cpython-311-x86_64-linux-gnu.so"
+    record = write_build_record(plan, lib)
+    assert record == tmp_path / ("_C.cpython-311-x86_64-linux-gnu.so" + library.BUILD_RECORD)
+    assert read_build_record(lib) == plan
+    assert read_build_record(tmp_path / "_C.cpython-312-x86_64-linux-gnu.so") is None  # another library's
     record.write_text("{not json")
-    assert read_build_record(tmp_path) is None
+    assert read_build_record(lib) is None
     assert read_build_record(tmp_path / "missing") is None
 
 
