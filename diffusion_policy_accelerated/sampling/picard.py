@@ -22,7 +22,7 @@ a sequential step, and the loop takes far fewer iterations than steps. In a CUDA
 iterations run in a loop node of the graph (CUDA 12.4+): one replay, no host round trip.
 """
 import dataclasses
-import sys
+import os
 from typing import Optional
 
 import torch
@@ -130,5 +130,6 @@ class PicardLoop:
 
 
 def graph_loops_supported() -> bool:
-    """Whether this build and driver capture loops into CUDA graphs (CUDA 12.4+)."""
-    return ops.built_with_cuda() and bool(ops._C.graph_loops_supported())
+    """Whether this build and driver capture loops into CUDA graphs (CUDA 12.4+);
+    DPA_NO_GRAPH_LOOPS=1 takes the unrolled budget instead (to compare, or to work around)."""
+    return ops.built_with_cuda() and not os.environ.get("DPA_NO_GRAPH_LOOPS") and bool(ops._C.graph_loops_supported())

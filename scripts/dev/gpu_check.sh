@@ -2,7 +2,7 @@
 # Everything a GPU has to confirm, in one run (CONTRIBUTING.md): build, the whole test suite
 # on the GPU, compute-sanitizer memcheck on a small workload, the benchmark tables, the
 # profiler. DPA_STAGES picks stages (default: all, in this order):
-#   tests sanitize blocks demo bench policy lerobot serve profile ncu
+#   tests sanitize parallel blocks demo bench policy lerobot serve profile ncu
 # DPA_TESTS narrows the tests stage to some files, DPA_TEST_WORKERS spreads it over that many
 # pytest-xdist processes; DPA_TESTS_TIMEOUT and DPA_SANITIZE_TIMEOUT
 # (seconds) bound those stages, so that a hung kernel leaves its logs behind. Logs, JSON,
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/dpa_gpu_check}
 WORK=${DPA_WORK:-/tmp/dpa_gpu_work}
-STAGES=${DPA_STAGES:-tests sanitize blocks demo bench policy lerobot serve profile ncu}
+STAGES=${DPA_STAGES:-tests sanitize parallel blocks demo bench policy lerobot serve profile ncu}
 mkdir -p "$OUT" "$WORK"
 status=0
 pack() { tar czf "$OUT/results.tgz" -C "$WORK" . ; }
@@ -80,6 +80,12 @@ if want sanitize; then
   tail -4 "$WORK/sanitizer.log"
 fi
 
+if want parallel; then
+  echo "== parallel sampling: trained policies, sequential against Picard iterations (DPA_PARALLEL_ARGS)"
+  python3 scripts/benchmark_parallel.py --out "$WORK" ${DPA_PARALLEL_ARGS:-} 2>"$WORK/parallel_progress.log" \
+    | tee "$WORK/benchmark_parallel.txt" || { status=1; tail -20 "$WORK/parallel_progress.log"; }
+fi
+
 if want blocks; then
   echo "== benchmark: Conv1dBlock shapes (DPA_SWEEP=1 also times both CUDA routes)"
   python3 scripts/bench_conv_blocks.py --batch ${DPA_BLOCK_BATCHES:-1 8 64} ${DPA_SWEEP:+--sweep-paths} \
@@ -92,7 +98,7 @@ fi
 
 if want demo; then
   echo "== demo: lowdim U-Net, DDPM 100 steps, batch 1"
-  python3 -m diffusion_policy_accelerated.tools.demo --actions 3 2>&1 | tail -1 || status=1
+  python3 -m diffusion_policy_accelerated demo --actions 3 2>&1 | tail -1 || status=1
 fi
 
 if want bench; then
@@ -102,7 +108,7 @@ fi
 
 if want policy; then
   echo "== benchmark: predict_action end to end, lowdim and image policies (DPA_POLICY_ARGS)"
-  python3 scripts/benchmark_policy.py --out "$WORK" ${DPA_POLICY_ARGS:-} 2>&1 | tee "$WORK/benchmark_policy.txt" \
+  python3 -m scripts.benchmark_policy --out "$WORK" ${DPA_POLICY_ARGS:-} 2>&1 | tee "$WORK/benchmark_policy.txt" \
     || status=1
 fi
 

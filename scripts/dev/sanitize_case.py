@@ -7,7 +7,7 @@ shortcut in one cluster or split-K launch or, misaligned, two), the im2col + GEM
 the ops (residual blocks included, contiguous and taps-major weights, outputs stored and
 inputs read channels-last, GroupNorm groups held or cut into slices: clusters, one launch or two;
 fp32 GEMMs over few positions), launch plans for a budget of a few SMs, denoise steps, and a small U-Net's denoising loop
-(fp32 and bf16, batch 1 and 2)."""
+(fp32 and bf16, batch 1 and 2), sequential and parallel (eagerly and in a graph loop)."""
 import torch
 
 from diffusion_policy_accelerated.kernels import ops
@@ -171,6 +171,14 @@ def main():
         action = sampler(torch.randn(batch, 8, 2, device="cuda"), mask,
                          global_cond=torch.randn(batch, 8, device="cuda"))
         assert torch.isfinite(action).all()
+        # Parallel sampling: eagerly, and as a graph whose loop node runs the Picard iterations
+        # (a window past the last step, odd batch rows finishing at different iterations).
+        for use_cuda_graph in (False, True):
+            parallel = GraphedSampler(model.to(dtype), sched, use_cuda_graph=use_cuda_graph,
+                                      parallel=dict(window=3, tolerance=0.5))
+            action = parallel(torch.randn(batch + 2, 8, 2, device="cuda"), mask[:1].expand(batch + 2, -1, -1),
+                              global_cond=torch.randn(batch + 2, 8, device="cuda"))
+            assert torch.isfinite(action).all()
     torch.cuda.synchronize()
     print("sanitize case ran")
 
