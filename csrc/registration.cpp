@@ -139,6 +139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Opens a loop in the CUDA graph being captured on the current stream (picard/cuda/graph_loop.h); "
         "returns its condition handle.");
   m.def("end_graph_loop", &dpa::end_graph_loop, "Ends the open graph loop's body.");
+  m.def("release_graph_pool", &dpa::release_graph_pool, "Gives a graph loop body's memory pool back.");
   m.def("hopper_launches", [](int64_t device) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     return dpa::hopper_launches();

@@ -111,13 +111,17 @@ class PicardLoop:
                               condition_data=condition_data, condition_mask=condition_mask,
                               conditional_handle=handle)
 
-        pool = self.sampler._capture_pool
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             if budget is not None:
                 for _ in range(budget):
                     iteration()
             else:
-                handle = ops._C.begin_graph_loop(pool)
+                pools = self.sampler._loop_pools
+                if pools is None:
+                    raise RuntimeError("a parallel sampler's graph is captured through GraphedSampler.capture, "
+                                       "which keeps its loop's memory for the graph's life")
+                pools.append(torch.cuda.graph_pool_handle())
+                handle = ops._C.begin_graph_loop(pools[-1])
                 try:
                     iteration(handle)
                 finally:

@@ -22,11 +22,13 @@ variance noise at index i + 1) to reproduce a run exactly.
 """
 import contextlib
 import sys
+import weakref
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 from ..model.unet import ConditionalUnet1D
+from ..kernels import ops
 from ..kernels.config import current_kernel_config
 from ..model.schedulers import DenoiseSchedule
 from .picard import Picard, PicardLoop, graph_loops_supported
@@ -86,7 +88,7 @@ class GraphedSampler:
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
         self._inlined = 0
         self._capture_stream: Optional[torch.cuda.Stream] = None
-        self._capture_pool = None
+        self._loop_pools: Optional[list] = None  # while capture() captures
         self.parallel = Picard.of(parallel)
         self._picard = None if self.parallel is None else PicardLoop(self, self.parallel)
         # The Picard iterations unrolled into a graph where graph loops are not available.
@@ -101,14 +103,19 @@ class GraphedSampler:
 
     @contextlib.contextmanager
     def capture(self, graph: "torch.cuda.CUDAGraph", **kwargs) -> Iterator[None]:
-        """torch.cuda.graph(graph, stream=capture_stream(), **kwargs), telling the loop which
-        memory pool a graph loop's body allocates from."""
-        with torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
-            self._capture_pool = graph.pool()
-            try:
+        """torch.cuda.graph(graph, stream=capture_stream(), **kwargs), keeping the memory pools
+        of the graph loops captured into it (a parallel loop's body) for the graph's life."""
+        self._loop_pools, pools = [], None
+        try:
+            with torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
                 yield
-            finally:
-                self._capture_pool = None
+            pools = self._loop_pools
+        finally:
+            if pools is None:  # the capture failed: nothing holds the pools
+                _release_pools(self.device.index, self._loop_pools)
+            self._loop_pools = None
+        if pools:
+            weakref.finalize(graph, _release_pools, self.device.index, pools)
 
     def capture_stream(self) -> torch.cuda.Stream:
         """The stream this sampler's graphs (and a whole policy call around it) are captured
@@ -239,6 +246,11 @@ class GraphedSampler:
             raise ValueError(f"initial_noise must be shaped like condition_data {list(condition_data.shape)} and "
                              f"not given with noise, got {list(initial_noise.shape)}"
                              + (" and noise" if noise is not None else ""))
+
+
+def _release_pools(device_index: int, pools) -> None:
+    for pool in pools:
+        ops._C.release_graph_pool(device_index, pool)
 
 
 class FollowingSampler:

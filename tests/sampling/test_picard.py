@@ -118,7 +118,7 @@ def test_picard_update_cuda_equals_cpu(batch, window):
     thresholds = torch.rand(20) * 1e-2
     outs = []
     for device in ("cpu", "cuda"):
-        q = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+        q = {k: v.to(device, copy=True) if isinstance(v, torch.Tensor) else v for k, v in p.items()}
         q["trajectory"][-1] = float("nan")
         state = torch.zeros(3, dtype=torch.int32, device=device)
         ops.picard_update(q["trajectory"], q["start"], state, q["model_output"], q["noise"],
