@@ -620,8 +620,8 @@ def test_cpu_kernels_at_every_vector_width(lanes):
     code = textwrap.dedent("""
         import itertools
         import torch
-        from test_conv1d_gn_mish import ODD_SHAPES, UNET_SHAPES, check, film_and_residual, make_inputs, reference
-        from test_conv1d_gn_mish import TOLERANCES
+        from tests.kernels.test_conv1d_gn_mish import ODD_SHAPES, UNET_SHAPES, check, film_and_residual, make_inputs, reference
+        from tests.kernels.test_conv1d_gn_mish import TOLERANCES
         from diffusion_policy_accelerated.kernels import ops
         from diffusion_policy_accelerated.kernels.config import kernel_config
         for shape, route, dtype in itertools.product(ODD_SHAPES + UNET_SHAPES[:6], ("auto", "stream"),
@@ -634,7 +634,7 @@ def test_cpu_kernels_at_every_vector_width(lanes):
                 out = ops.conv1d_gn_mish(x, w, b, gamma, beta, shape[5], film=film, residual=residual)
                 torch.testing.assert_close(out.double(), reference(x, w, b, gamma, beta, shape[5], film, residual),
                                            **TOLERANCES[dtype])
-        import test_conv1d
+        from tests.kernels import test_conv1d
         with kernel_config(cpu_conv="stream"):  # the k-major form: transposed convs
             for shape in test_conv1d.ODD_SHAPES + test_conv1d.UNET_SHAPES:
                 if shape[7]:
@@ -693,7 +693,7 @@ def test_sliced_group_norm_on_fewer_sms_than_planned_for():
     code = textwrap.dedent("""
         import torch
         from torch.cuda.green_contexts import GreenContext
-        from test_conv1d_gn_mish import TOLERANCES, film_and_residual, make_inputs, reference
+        from tests.kernels.test_conv1d_gn_mish import TOLERANCES, film_and_residual, make_inputs, reference
         from diffusion_policy_accelerated.kernels import ops
         context = GreenContext.create(16, 0)
         context.set_context()
@@ -714,6 +714,6 @@ def test_sliced_group_norm_on_fewer_sms_than_planned_for():
         assert not counters.any()
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], env=lanes_env(None), cwd=Path(__file__).parent,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -224,7 +224,7 @@ def test_sliced_groups_stay_fused_with_taps_major_weights(dtype):
     """Each of the sliced epilogue's kernels (cluster on Hopper, cooperative, two launches):
     right against float64, the same bits as the others, in the default layout and
     channels-last; and fused: one im2col launch (x's), where the separate ops make two."""
-    from test_conv1d_gn_mish import SLICED_WAYS
+    from tests.kernels.test_conv1d_gn_mish import SLICED_WAYS
     hopper = torch.cuda.get_device_capability()[0] >= 9
     for seed, (shape, skip_from) in enumerate(SLICED_CASES):
         counters = torch.zeros(2 * shape[2], dtype=torch.int32, device="cuda")  # with a shortcut's

@@ -437,5 +437,6 @@ def test_hopper_launches_need_hopper_code():
     portable_launches says the same; on older GPUs they never do."""
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert ops._C.hopper_launches(torch.cuda.current_device()) == hopper
-    assert routing.portable_launches(KernelConfig()) == (not hopper)
-    assert routing.portable_launches(KernelConfig(clusters=False, pdl=False))
+    assert routing.portable_launches("cuda") == (not hopper)
+    with kernel_config(clusters=False, pdl=False):
+        assert routing.portable_launches("cuda")

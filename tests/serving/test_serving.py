@@ -190,7 +190,7 @@ def test_seeded_rows_equal_whatever_the_batch(device):
 def test_checkpoint_policy_serves_raw_observations(tmp_path):
     """A Diffusion Policy lowdim checkpoint: raw observations in, the checkpoint's own
     predict_action out (normaliser and action slicing included)."""
-    from test_checkpoint import OBS_DIM, make_checkpoint
+    from tests.adapters.test_checkpoint import OBS_DIM, make_checkpoint
 
     from diffusion_policy_accelerated import load_checkpoint
 
