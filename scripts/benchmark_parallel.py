@@ -7,7 +7,7 @@ goals per observation), then prints, in one run on one GPU:
            of the sequential and the parallel sampler over many samples, the parallel
            sampler's iterations per action at batch 1 (mean, max), and the largest distance
            between the two samplers' actions for the same noise;
-  sweep    ms per action and iterations of window x tolerance (lowdim, bf16, DDPM-100, batch 1);
+  sweep    ms per action and iterations of window x tolerance (bf16, DDPM-100, batch 1);
   speed    ms per action chunk of the sequential and the parallel sampler at batch 1 and 8
            (medians of CUDA-event timings of whole graph replays), the iterations, and each
            one's ratio to the sequential floor: steps x the convs' weight bytes / the copy
@@ -67,9 +67,11 @@ def trained_unet(name, args):
     unet = ConditionalUnet1D(**CONFIGS[name]).to(DEVICE)
     train = dict(batch_size=args.batch_size, lr=args.lr, device=DEVICE, horizon=horizon,
                  autocast_dtype=torch.bfloat16, progress=log)
-    # A short probe sets the step count that fills --train-seconds (one cosine schedule).
+    # A short probe, after one warm-up, sets the step count that fills --train-seconds (one
+    # cosine schedule).
+    task.train(unet, steps=3, seed=1, ema_decay=None, **train)
     start = time.perf_counter()
-    task.train(unet, steps=20, seed=1, ema_decay=None, **train)
+    task.train(unet, steps=20, seed=1, ema_decay=None, **dict(train, progress=None))
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     steps = max(100, int(args.train_seconds * 20 / (time.perf_counter() - start)))
@@ -169,17 +171,17 @@ def speed(name, unet, picard, args, bandwidth):
     return rows
 
 
-def sweep(unet, args):
-    """window x tolerance on the lowdim U-Net, bf16, DDPM-100, batch 1: ms and iterations."""
+def sweep(name, unet, args):
+    """window x tolerance, bf16, DDPM-100, batch 1: ms and iterations."""
     model, rows = unet.to(torch.bfloat16), []
-    print("window x tolerance (lowdim, bf16, DDPM-100, batch 1): ms per action / iterations", flush=True)
+    print(f"window x tolerance ({name}, bf16, DDPM-100, batch 1): ms per action / iterations", flush=True)
     for window in args.sweep_windows:
         cells = []
         for tolerance in args.sweep_tolerances:
             _, parallel = samplers(model, "ddpm", 100, Picard(window=window, tolerance=tolerance))
             with torch.inference_mode():
-                ms = time_ms(call(parallel, 1, HORIZON, model, torch.bfloat16, torch.Generator().manual_seed(0)))
-            rows.append(dict(window=window, tolerance=tolerance, ms_per_action=ms,
+                ms = time_ms(call(parallel, 1, HORIZONS[name], model, torch.bfloat16, torch.Generator().manual_seed(0)))
+            rows.append(dict(unet=name, window=window, tolerance=tolerance, ms_per_action=ms,
                              iterations=parallel.last_iterations))
             cells.append(f"{ms:6.2f} / {parallel.last_iterations:3d}")
         print(f"  window {window:3d}: " + "   ".join(f"tol {t}: {c}" for t, c in zip(args.sweep_tolerances, cells)),
@@ -202,12 +204,15 @@ def main():
     parser.add_argument("--observations", type=int, default=64)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--single-calls", type=int, default=16, help="batch-1 calls whose iterations are counted")
+    parser.add_argument("--sweep-unet", nargs="*", default=["lowdim"], help="the U-Nets swept over window x tolerance")
     parser.add_argument("--sweep-windows", type=int, nargs="*", default=[8, 16, 32])
     parser.add_argument("--sweep-tolerances", type=float, nargs="*", default=[0.05, 0.1, 0.2])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the same algorithm eagerly (slow; for a check without a GPU)")
+    parser.add_argument("--quality-only", action="store_true", help="skip the speed table")
     parser.add_argument("--tiny", action="store_true", help="small U-Nets of the same conditioning (a quick check)")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -225,20 +230,21 @@ def main():
     for name in args.unet:
         unet = trained_unet(name, args)
         results["quality"] += quality(name, unet, picard, args)
-        if name == "lowdim" and args.sweep_windows:
-            results["sweep"] = sweep(unet, args)
-        results["speed"] += speed(name, unet, picard, args, bandwidth)
+        if name in args.sweep_unet:
+            results["sweep"] += sweep(name, unet, args)
+        if not args.quality_only:
+            results["speed"] += speed(name, unet, picard, args, bandwidth)
         del unet
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "parallel.json").write_text(json.dumps(results, indent=1))
+    (out / f"parallel{args.tag}.json").write_text(json.dumps(results, indent=1))
     rows = results["speed"]
     if rows:
         plot_grouped_bars(rows, ("unet", "schedule", "dtype", "batch"), lambda u, s, d, b: f"{u}\n{s}\n{d} B={b}",
                           "ms_per_action", "ms per action chunk (log)",
-                          f"Sequential vs parallel (Picard) sampling, {rows[0]['device']}", out / "parallel.png")
+                          f"Sequential vs parallel (Picard) sampling, {rows[0]['device']}", out / f"parallel{args.tag}.png")
 
 
 if __name__ == "__main__":
