@@ -26,6 +26,11 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"], help="the demo model's")
     parser.add_argument("--max-batch", type=int, default=64, help="observations per sampler call; graphs "
                         "are captured for powers of two up to it")
+    parser.add_argument("--parallel-window", type=int, metavar="STEPS", help="sample by Picard iteration over "
+                        "this many steps at once (fewer dependent steps where the GPU has room: half precision at "
+                        "small batches; default: the sequential loop)")
+    parser.add_argument("--parallel-tolerance", type=float, default=0.1, help="the parallel sampler's tolerance, "
+                        "in units of each step's noise standard deviation (default 0.1)")
 
 
 def source_from_args(args):
@@ -34,7 +39,8 @@ def source_from_args(args):
     kind, path = (("checkpoint", args.checkpoint) if args.checkpoint else
                   ("lerobot", args.lerobot) if args.lerobot else ("demo", None))
     return PolicySource(kind=kind, path=path, device=args.device, dtype=args.dtype, steps=args.steps,
-                        scheduler=args.scheduler)
+                        scheduler=args.scheduler, parallel_window=args.parallel_window,
+                        parallel_tolerance=args.parallel_tolerance)
 
 
 def _serve_defaults() -> dict:
@@ -91,6 +97,10 @@ def serve_main(argv) -> int:
             parser.error(f"{flag} is for dpa serve itself, not Ray Serve (--ray-replicas)")
         if value is not None and not (value >= 0 if name == "drain_timeout" else value > 0):
             parser.error(f"{flag} must be {'>= 0' if name == 'drain_timeout' else 'positive'}, got {value:g}")
+    try:
+        source_from_args(args)  # its settings checked before anything loads
+    except ValueError as error:
+        parser.error(str(error))
     if args.ray_replicas:
         return _serve_on_ray(args)
     from .serving.policies import load_policy, policy_device

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..sampling.picard import Picard
 from .protocol import ActRequest, PolicySpec, TensorSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,13 +35,16 @@ class PolicySource:
     Diffusion Policy workspace .ckpt: raw lowdim observations in, or an image policy's encoder
     features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
     condition in, normalised actions out). `steps` overrides the number of denoising steps;
-    `scheduler` ('ddpm' / 'ddim') is the demo's."""
+    `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
+    Picard iteration with that window and `parallel_tolerance` (sampling/picard.py)."""
     kind: str = "demo"
     path: Optional[str] = None
     device: Optional[str] = None
     dtype: str = "float32"
     steps: Optional[int] = None
     scheduler: str = "ddpm"
+    parallel_window: Optional[int] = None
+    parallel_tolerance: float = 0.1
 
     def __post_init__(self):
         if self.kind not in ("demo", "checkpoint", "lerobot"):
@@ -54,6 +58,13 @@ class PolicySource:
         if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
                                        or self.steps < 1):
             raise ValueError(f"steps must be a positive integer or None, got {self.steps!r}")
+        self.parallel()  # checks the window and tolerance
+
+    def parallel(self) -> Optional[Picard]:
+        """The parallel sampler's settings, or None (sequential)."""
+        if self.parallel_window is None:
+            return None
+        return Picard(window=self.parallel_window, tolerance=self.parallel_tolerance)
 
 
 def batch_buckets(max_rows: int) -> List[int]:
@@ -170,14 +181,18 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     rows whose request names no seed."""
     device = policy_device(source)
     dtype = DTYPES[source.dtype]
+    settings = source.parallel()
     info = {"dtype": source.dtype, "torch": torch.__version__,
+            "sampler": "sequential" if settings is None else
+            f"parallel (Picard, window {settings.window}, tolerance {settings.tolerance})",
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
     if source.kind == "demo":
         return _demo_policy(source, device, dtype, max_rows, info, seed)
     if source.kind == "checkpoint":
         from ..adapters.checkpoint import LOWDIM_POLICY, load_checkpoint
 
-        ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
+        ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
+                               parallel=source.parallel())
         info.update(source=source.path, policy_class=ckpt.policy_class, steps=ckpt.sampler.num_steps,
                     scheduler=ckpt.schedule.kind)
         trajectory = (ckpt.trajectory_length, ckpt.unet_config["input_dim"])
@@ -200,7 +215,8 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                                 obs_features=x["obs_features"], noise=noise), **common)
     from ..adapters.lerobot import load_lerobot_pretrained
 
-    policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps)
+    policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
+                                     parallel=source.parallel())
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
                 normalised=True)
     return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), normalised global condition",
@@ -222,7 +238,8 @@ def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype,
     steps = source.steps or (100 if source.scheduler == "ddpm" else 16)
     torch.manual_seed(0)  # the demo's weights
     unet = ConditionalUnet1D(**config).to(device, dtype).eval()
-    sampler = GraphedSampler(unet, DenoiseSchedule.from_diffusers(SCHEDULER_CONFIG, steps, kind=source.scheduler))
+    sampler = GraphedSampler(unet, DenoiseSchedule.from_diffusers(SCHEDULER_CONFIG, steps, kind=source.scheduler),
+                             parallel=source.parallel())
     shape = (HORIZON, config["input_dim"])
 
     def predict(inputs: Dict[str, torch.Tensor], noise: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn as nn
 from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
 from tests.support import DEVICES
-from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
+from diffusion_policy_accelerated import ConditionalUnet1D, Picard, accelerate
 from diffusion_policy_accelerated.adapters.diffusion_policy import unet_from_diffusion_policy
 from tests.support.dp_policies import ImagePolicy, LowdimPolicy, Sizes, TinyObsEncoder
 from tests.support.dp_reference import RefUnet, randomize_
@@ -108,6 +108,22 @@ def test_ddim_actions_equal_the_policys_own(name, device):
         if previous is not None and previous["action"].shape == actual["action"].shape:
             assert not torch.allclose(actual["action"], previous["action"])
         previous = actual
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["lowdim global cond", "image inpainting"])
+def test_parallel_sampling_with_tolerance_zero_gives_the_policys_actions(name, device):
+    """accelerate(policy, parallel=Picard(window, 0)) samples the sequential trajectory (DDIM: the
+    policy's own actions for the same seed), with the whole predict_action in a graph on CUDA."""
+    reference = make_policy(name, device)
+    accelerated = accelerate(copy.deepcopy(reference), parallel=Picard(window=3, tolerance=0))
+    assert accelerated.conditional_sample.sampler_now().parallel == Picard(window=3, tolerance=0)
+    for call, batch in enumerate([1, 2]):
+        obs = make_obs(reference, batch, seed=call)
+        assert max_abs_difference(predict(accelerated, obs, seed=call), predict(reference, obs, seed=call)) \
+            <= ACTION_TOLERANCE
+    with pytest.raises(ValueError, match="Picard.window must be a positive int"):
+        accelerate(copy.deepcopy(reference), parallel=dict(window=0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from diffusion_policy_accelerated.adapters.checkpoint import (  # noqa: E402
     DiffusionPolicyCheckpoint, load_checkpoint, unet_config_from_state_dict)
+from diffusion_policy_accelerated.sampling.picard import Picard  # noqa: E402
 from tests.support.dp_reference import RefUnet, randomize_  # noqa: E402
 
 try:
@@ -415,6 +416,20 @@ def test_lowdim_predict_action_from_raw_observations(obs_mode, tmp_path):
     assert ("obs_pred" in result) == (obs_mode == "inpaint")
     with pytest.raises(ValueError, match="obs must be"):
         ck.predict_action({"obs": torch.zeros(2, 1, OBS_DIM)})
+
+
+def test_parallel_sampling_reaches_the_checkpoints_sampler(tmp_path):
+    """load_checkpoint(parallel=...) samples by Picard iteration: with tolerance 0 the sequential
+    sampler's actions for the same noise."""
+    path, *_ = make_checkpoint(tmp_path, obs_mode="global")
+    sequential = load_checkpoint(path, device="cpu")
+    parallel = load_checkpoint(path, device="cpu", parallel=Picard(window=4, tolerance=0))
+    assert parallel.sampler.parallel == Picard(window=4, tolerance=0) and sequential.sampler.parallel is None
+    obs = torch.randn(2, 3, OBS_DIM, generator=gen(4))
+    torch.testing.assert_close(parallel.predict_action({"obs": obs}, generator=gen(6))["action"],
+                               sequential.predict_action({"obs": obs}, generator=gen(6))["action"], atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="parallel must be None, a bool, a Picard"):
+        load_checkpoint(path, device="cpu", parallel="yes")
 
 
 def test_image_policy_predict_action_is_refused(tmp_path):

@@ -467,13 +467,26 @@ def test_dpa_serve_process(tmp_path):
     assert "instance 2 of 2" in log and log.count("batch 4 ready (3/3") == 2 and "dpa serve: stopped" in log, log
 
 
-def test_cli_usage():
+def test_cli_usage(capsys):
     from diffusion_policy_accelerated.cli import main
     assert main([]) == 2 and main(["nonsense"]) == 2
     for bad in (["--checkpoint", "a.ckpt", "--lerobot", "folder"], ["--ray-replicas", "0"], ["--max-queue", "0"],
                 ["--instances", "0"], ["--instances", "2", "--ray-replicas", "2"]):
         with pytest.raises(SystemExit):
             main(["serve", *bad])
+    for bad, text in ((["--parallel-window", "0"], "Picard.window must be a positive int"),
+                      (["--parallel-window", "8", "--parallel-tolerance", "-1"], "Picard.tolerance must be a finite")):
+        with pytest.raises(SystemExit):
+            main(["serve", *bad])
+        assert text in capsys.readouterr().err
+
+
+def test_parallel_demo_policy_is_served_with_its_settings():
+    """--parallel-window reaches the served sampler, and /v1/spec's info says so."""
+    from diffusion_policy_accelerated.serving.policies import PolicySource, load_policy
+    policy = load_policy(PolicySource(device="cpu", steps=4, parallel_window=2, parallel_tolerance=0.5), max_rows=2)
+    assert policy.spec.info["sampler"] == "parallel (Picard, window 2, tolerance 0.5)"
+    assert load_policy(PolicySource(device="cpu", steps=4), max_rows=2).spec.info["sampler"] == "sequential"
 
 
 @pytest.mark.parametrize("kwargs,text", [
