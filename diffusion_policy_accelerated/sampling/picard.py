@@ -76,7 +76,6 @@ class PicardLoop:
         self.schedule = sampler.schedule
         self.steps = sampler.num_steps
         self.window = min(settings.window, self.steps)
-        self.settings = settings
         variance = self.schedule.noise_variance().to(torch.float32)
         self.thresholds = (variance * float(settings.tolerance) ** 2).to(sampler.device)
         # The last run's iteration count and windows' starts (device tensors; a captured run's
