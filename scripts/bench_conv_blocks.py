@@ -11,7 +11,7 @@ so every call streams its weights from HBM as it does inside the real U-Net. Pri
 
 --sweep-paths also times both CUDA routes of the op (the weight-streaming kernel and im2col
 + GEMM, the latter with contiguous and with taps-major weights, ops.taps_major) at every
-size: where they cross sets routing.KernelConfig.gemm_min_positions and gemm_min_work. --split-k also times the
+size: where they cross sets KernelConfig.gemm_min_positions and gemm_min_work. --split-k also times the
 streaming route's split-K GroupNorm kernel (kernel_config(clusters=False)) next to the
 default, one thread-block cluster per group. --no-pdl launches without programmatic
 dependent launch.

@@ -36,10 +36,10 @@ struct KernelConfig {
   // only below this many positions (half precision: always).
   int64_t side_stream_fp32_max_positions;
   // The most slices an fp32 conv's im2col GEMM is cut into along its reduction (1: never cut;
-  // gemm_route.h's gemm_splits).
+  // conv_route.h's cublas_splits).
   int64_t fp32_gemm_max_splits;
   // fp32 convs on the GEMM route over up to 32 positions: the package's own GEMM
-  // (narrow_gemm.cu) instead of cuBLAS's, where gemm_route.h's narrow_gemm_splits takes it.
+  // (narrow_gemm.cu) instead of cuBLAS's, where conv_route.h's narrow_splits takes it.
   bool narrow_gemm;
   bool side_stream;
   // Streaming convs, and the GEMM route's sliced GroupNorm epilogue, as thread-block clusters

@@ -1,6 +1,6 @@
 """Where a U-Net forward's GPU time goes on the convs' im2col + cuBLAS route (batch x length
 >= KernelConfig.gemm_min_positions), kernel by kernel, and the measurements behind two of
-routing.py's rules.
+the route rules (csrc/conv1d/conv_route.h).
 
 Default: the GPU time of one forward of the lowdim and image U-Nets per kernel name (torch
 profiler, 5 forwards averaged, not graphed: FiLM's Linear and Mish kernels show here but are

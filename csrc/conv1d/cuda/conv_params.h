@@ -238,7 +238,7 @@ template <typename T>
 void launch_conv_epilogue(const StreamArgs& a, const GemmResult& pre, GemmForm form);
 
 // The GEMM route's fp32 GEMM over few positions (narrow_gemm.cu), in place of cuBLAS's where
-// gemm_route.h's narrow_gemm_splits takes it: out[s][m][n], for s < splits, is the sum over
+// conv_route.h's narrow_splits takes it: out[s][m][n], for s < splits, is the sum over
 // reduction slice s (split_chunks chunks of kNarrowChunk elements) of weight[m][k] *
 // cols[k][n]: a GemmResult of `splits` partial sums.
 struct NarrowGemm {

@@ -18,7 +18,7 @@ namespace dpa {
 // memory (ops.taps_major): then its rows c * K + k are a GEMM operand as it is, and the GEMM
 // route multiplies them with x itself (GemmForm::kTapRows) instead of with im2col's K times
 // larger columns. That GEMM, [C_out * K, C_in] x [C_in, B * L], has K times the output tiles
-// and a K times shorter reduction, a shape cuBLAS runs faster (routing.py says where). Such a
+// and a K times shorter reduction, a shape cuBLAS runs faster (conv_route.h's taps_major_pays says where). Such a
 // weight takes the GEMM route at any batch x length: its caller chose that layout for it, and
 // the streaming kernels would read a contiguous copy made on every call.
 bool taps_major(const at::Tensor& weight);

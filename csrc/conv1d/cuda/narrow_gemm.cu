@@ -5,7 +5,7 @@
 // into slices (gemm_splits) stream the weights well below the copy bandwidth. Here every block
 // streams 32 weight rows over a slice of the reduction through a cp.async ring, so the bytes
 // in flight are set by shared memory, not registers: LeRobot's 2048 -> 2048 k5 conv over 16
-// positions (84 MB of weights) took 52 µs against 60 (im2col, GEMM and epilogue; routing.py
+// positions (84 MB of weights) took 52 µs against 60 (im2col, GEMM and epilogue; docs/tried.md
 // has the measurements), and one kernel serves any GPU from sm_80 (Ampere, Orin, Ada, Hopper).
 // Over 32 positions it is bound by its multiply-adds and takes smaller layers only
 // (gemm_route.cpp's kNarrowWideMaxWeights), with 4 stages (139 KB of shared memory: A100,
