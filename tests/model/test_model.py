@@ -20,7 +20,8 @@ from diffusion_policy_accelerated.model.unet import Conv1dBlock, ConditionalUnet
 from diffusion_policy_accelerated.kernels.config import current_kernel_config, kernel_config
 from tests.support.dp_reference import RefUnet, randomize_
 
-PKG_DIR = Path(model_mod.__file__).resolve().parent
+# The repository (or site-packages) folder that holds the package.
+PACKAGE_PARENT = Path(model_mod.__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def test_import_does_not_load_extension():
                                                "diffusion_policy_accelerated.kernels.ops")]
         assert not bad, bad
     """)
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=PKG_DIR.parent)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE_PARENT)
 
 
 # --------------------------------------------------------------------------------------
