@@ -31,6 +31,10 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
                         "small batches; default: the sequential loop)")
     parser.add_argument("--parallel-tolerance", type=float, default=0.1, help="the parallel sampler's tolerance, "
                         "in units of each step's noise standard deviation (default 0.1)")
+    parser.add_argument("--no-check-finite", dest="check_finite", action="store_false", help="turn off the "
+                        "non-finite guard, which answers 422 where a request's inputs or its actions hold NaN or Inf "
+                        "(and does not send such actions); it costs no device synchronisation, only a look at the "
+                        "inputs and at the actions' host copy")
 
 
 def source_from_args(args):
@@ -40,7 +44,7 @@ def source_from_args(args):
                   ("lerobot", args.lerobot) if args.lerobot else ("demo", None))
     return PolicySource(kind=kind, path=path, device=args.device, dtype=args.dtype, steps=args.steps,
                         scheduler=args.scheduler, parallel_window=args.parallel_window,
-                        parallel_tolerance=args.parallel_tolerance)
+                        parallel_tolerance=args.parallel_tolerance, check_finite=args.check_finite)
 
 
 def _serve_defaults() -> dict:

@@ -1,6 +1,9 @@
 """End-to-end predict_action latency (what a robot waits for), side by side, for Diffusion
 Policy's Push-T lowdim and image policies (ResNet18-GroupNorm encoder per camera, 96x96 images
-centre-cropped to 84x84, 2 observation steps, horizon 16):
+centre-cropped to 84x84, 2 observation steps, horizon 16) and its Push-T lowdim transformer
+policy ("transformer": TransformerForDiffusion with 8 layers, 4 heads, width 256, causal
+attention, observations as condition tokens, horizon 10), which accelerate() runs by the
+generic path (the transformer as it is, in the graph with this package's denoise step):
 
   eager         the policy as Diffusion Policy runs it: encoder, PyTorch U-Net and diffusers'
                 scheduler, launch by launch
@@ -17,13 +20,14 @@ centre-cropped to 84x84, 2 observation steps, horizon 16):
 max|da|: the largest action difference from the eager policy on the same observations and
 noise (DDIM draws only the initial noise, so this is rounding and TF32).
 
-The policies are the stand-ins of tests/support/dp_policies.py (Diffusion Policy is not on PyPI), with
-random weights. Wall-clock medians after warm-up of synchronised calls, so host work counts.
+The policies are the stand-ins of tests/support/dp_policies.py and dp_transformer.py (Diffusion
+Policy is not on PyPI), with random weights. Wall-clock medians after warm-up of synchronised
+calls, so host work counts.
 PyTorch's default precision settings, as a policy runs by default: cuDNN's convolutions (the
 encoder's) may use TF32, matrix products do not (--no-tf32: neither).
 Writes JSON and a PNG plot.
 
-    python -m scripts.benchmark_policy [--policy lowdim image1 image3] [--batch 1 8]
+    python -m scripts.benchmark_policy [--policy lowdim image1 image3 transformer] [--batch 1 8]
                                        [--schedule DDIM-16 DDPM-100] [--no-tf32] [--out DIR]
 
 (run from the repository's root, as a module: it builds the policies from tests/support's copy
@@ -41,11 +45,16 @@ from diffusion_policy_accelerated import ConditionalUnet1D, accelerate
 from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.tools.profiling import plot_grouped_bars, wall_ms
 from tests.support.dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncoder, Sizes
+from tests.support.dp_transformer import TransformerForDiffusion, TransformerLowdimPolicy
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
-POLICIES = {"lowdim": 0, "image1": 1, "image3": 3}  # cameras
+POLICIES = {"lowdim": 0, "image1": 1, "image3": 3, "transformer": 0}  # cameras
 SIZES = Sizes(horizon=HORIZON, n_obs_steps=2, n_action_steps=8, action_dim=2, obs_dim=20)
 IMAGE, CROP = (3, 96, 96), 84
+# Diffusion Policy's Push-T lowdim transformer (its train_diffusion_transformer_lowdim workspace).
+TRANSFORMER_HORIZON = 10
+TRANSFORMER = dict(n_layer=8, n_head=4, n_emb=256, p_drop_emb=0.0, p_drop_attn=0.01, causal_attn=True,
+                   time_as_cond=True, n_cond_layers=0)
 
 
 def make_policy(name, schedule):
@@ -54,6 +63,13 @@ def make_policy(name, schedule):
     cameras = POLICIES[name]
     scheduler_cls, steps = SCHEDULES[schedule]
     scheduler = scheduler_cls(**SCHEDULER_CONFIG)
+    if name == "transformer":
+        model = TransformerForDiffusion(input_dim=SIZES.action_dim, output_dim=SIZES.action_dim,
+                                        horizon=TRANSFORMER_HORIZON, n_obs_steps=SIZES.n_obs_steps,
+                                        cond_dim=SIZES.obs_dim, obs_as_cond=True, **TRANSFORMER)
+        return TransformerLowdimPolicy(model, scheduler, TRANSFORMER_HORIZON, SIZES.obs_dim, SIZES.action_dim,
+                                       SIZES.n_action_steps, SIZES.n_obs_steps, num_inference_steps=steps,
+                                       obs_as_cond=True).cuda().eval()
     if cameras == 0:
         unet = ConditionalUnet1D(**UNETS["lowdim"])
         policy = LowdimPolicy(unet, scheduler, "global", steps, SIZES)
@@ -146,6 +162,12 @@ def sampler_alone(policy, obs):
     """The accelerated policy's sampler (its own graph) on the condition predict_action would
     build from `obs`, computed here once."""
     with torch.no_grad():
+        if isinstance(policy, TransformerLowdimPolicy):
+            nobs = policy.normalizer["obs"].normalize(obs["obs"])
+            data = torch.zeros(nobs.shape[0], policy.horizon, policy.action_dim, device="cuda")
+            mask = torch.zeros_like(data, dtype=torch.bool)
+            sampler, cond = policy.conditional_sample.sampler, nobs[:, :policy.n_obs_steps]
+            return lambda: sampler(data, mask, cond=cond)
         if isinstance(policy, LowdimPolicy):
             nobs = policy.normalizer["obs"].normalize(obs["obs"])
             global_cond = nobs[:, :policy.n_obs_steps].reshape(nobs.shape[0], -1)

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
+from ..sampling.finite import FiniteGuard, check_finite_option, named_arrays
 from ..sampling.picard import Picard
 from ..sampling.sampler import GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
@@ -234,11 +235,19 @@ class DiffusionPolicyCheckpoint:
     inferred constructor arguments), `cfg` (the whole training config, plain dicts),
     `weights` ('ema_model' or 'model'), `normalizer_params` ({field: {'scale', 'offset',
     'input_stats': {...}}}), `device`, `dtype` (the U-Net's).
+
+    `check_finite` (load_checkpoint's, True by default; may be changed): `predict_action` and
+    `predict_action_from_features` raise NonFiniteError instead of returning actions where
+    the observations (features, noise) or the actions hold NaN or Inf, naming which and, for
+    actions, the U-Net weights or normaliser parameters that are not finite. The flags are
+    read with one small copy after the call, which waits for its actions to be computed
+    (sampling/finite.py).
     """
 
     def __init__(self, *, cfg: dict, policy_class: str, policy_state: Mapping, weights: str,
                  device: torch.device, dtype: torch.dtype,
-                 num_inference_steps: Optional[int], parallel: Optional[Picard] = None):
+                 num_inference_steps: Optional[int], parallel: Optional[Picard] = None,
+                 check_finite: bool = True):
         policy_cfg = cfg["policy"]
         required = ["horizon", "n_obs_steps", "n_action_steps", "noise_scheduler"] + (
             ["action_dim", "obs_dim"] if policy_class == LOWDIM_POLICY else ["shape_meta"])
@@ -301,6 +310,26 @@ class DiffusionPolicyCheckpoint:
         self.normalizer_params = {
             field: _map_tensors(params, lambda t: t.to(self.device))
             for field, params in self.normalizer_params.items()}
+        self.check_finite = check_finite_option(check_finite)
+        self._guards = {name: FiniteGuard(getattr(self, name), name, self._named_weights)
+                        for name in ("predict_action", "predict_action_from_features")}
+
+    def _named_weights(self):
+        """The U-Net's weights and the normaliser's scales and offsets, by name: what a
+        NonFiniteError about actions names where they are not finite."""
+        yield from ((f"unet.{name}", tensor) for name, tensor in self.unet.named_parameters())
+        for field, params in self.normalizer_params.items():
+            yield from ((f"normalizer.{field}.{key}", params[key]) for key in ("scale", "offset")
+                        if torch.is_tensor(params.get(key)))
+
+    def _guarded(self, name: str, call, **observations):
+        """call(), with check_finite checked for NaN and Inf in its named `observations` (tensors
+        or arrays, None where absent) and in its result."""
+        if not self.check_finite:
+            return call()
+        given = [found for key, value in observations.items() if value is not None
+                 for found in named_arrays(torch.as_tensor(value), key)]
+        return self._guards[name].run(call, given)
 
     def _check_against_unet(self):
         config = self.unet_config
@@ -477,7 +506,9 @@ class DiffusionPolicyCheckpoint:
         n_obs_steps - 1 for the image policies and for lowdim with oa_step_convention,
         n_obs_steps for lowdim without it; the whole sample with pred_action_steps_only.
         """
-        return self._predict(global_cond, obs_features, generator, noise)["action"]
+        return self._guarded("predict_action_from_features",
+                             lambda: self._predict(global_cond, obs_features, generator, noise)["action"],
+                             global_cond=global_cond, obs_features=obs_features, noise=noise)
 
     def predict_action(self, obs_dict: Mapping, generator: Optional[torch.Generator] = None,
                        noise: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
@@ -498,9 +529,10 @@ class DiffusionPolicyCheckpoint:
             raise ValueError(f"obs must be [B, >= {self.n_obs_steps}, {self.obs_dim}], got "
                              f"{list(nobs.shape)}")
         if self.obs_as_global_cond:
-            return self._predict(nobs[:, :self.n_obs_steps].reshape(nobs.shape[0], -1), None,
-                                 generator, noise)
-        return self._predict(None, nobs, generator, noise)
+            call = lambda: self._predict(nobs[:, :self.n_obs_steps].reshape(nobs.shape[0], -1), None, generator, noise)
+        else:
+            call = lambda: self._predict(None, nobs, generator, noise)
+        return self._guarded("predict_action", call, **{"obs_dict['obs']": obs_dict["obs"], "noise": noise})
 
     def obs_encoder_state_dict(self) -> Dict[str, torch.Tensor]:
         """The image policies' observation encoder weights (keys without 'obs_encoder.'; CPU;
@@ -554,7 +586,8 @@ def _directory_message(path: Path) -> str:
 
 def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, None] = None,
                     dtype: Optional[torch.dtype] = None, use_ema: bool = True,
-                    num_inference_steps: Optional[int] = None, parallel=None) -> DiffusionPolicyCheckpoint:
+                    num_inference_steps: Optional[int] = None, parallel=None,
+                    check_finite: bool = True) -> DiffusionPolicyCheckpoint:
     """Load a Diffusion Policy workspace checkpoint (`.ckpt` from `BaseWorkspace.save_checkpoint`)
     of a U-Net policy (`DiffusionUnetLowdimPolicy`, `DiffusionUnetImagePolicy`,
     `DiffusionUnetHybridImagePolicy`) without the Diffusion Policy repo.
@@ -568,11 +601,14 @@ def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, 
     inputs and outputs stay float32, as in Diffusion Policy); `use_ema`: use the EMA weights
     ('ema_model') when the checkpoint has them, else 'model'; `num_inference_steps`:
     overrides cfg.policy.num_inference_steps; `parallel`: sample by Picard iteration
-    (GraphedSampler's `parallel`: True, or a Picard(window, tolerance)).
+    (GraphedSampler's `parallel`: True, or a Picard(window, tolerance)); `check_finite`:
+    predict_action and predict_action_from_features raise NonFiniteError instead of returning
+    NaN or Inf actions (DiffusionPolicyCheckpoint).
 
     Needs `omegaconf` (`pip install omegaconf`); uses `dill` when installed.
     """
     parallel = Picard.of(parallel)
+    check_finite = check_finite_option(check_finite)
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(_directory_message(path))
@@ -609,4 +645,4 @@ def load_checkpoint(path: Union[str, Path], *, device: Union[str, torch.device, 
     return DiffusionPolicyCheckpoint(
         cfg=cfg, policy_class=policy_class, policy_state=policy_state, weights=weights,
         device=torch.device(device), dtype=dtype or torch.float32,
-        num_inference_steps=num_inference_steps, parallel=parallel)
+        num_inference_steps=num_inference_steps, parallel=parallel, check_finite=check_finite)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..model.unet import ConditionalUnet1D, unet_config_from_state_dict
+from ..sampling.finite import FiniteGuard, check_finite_option
 from ..sampling.policy_graph import GraphedPolicyCall, check_encoder_options, set_encoder_precision
 from ..sampling.picard import Picard
 from ..sampling.sampler import FollowingSampler, GraphedSampler
@@ -153,13 +154,17 @@ class _LeRobotConditionalSample:
 
 def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_graph: bool = True,
                        encoder_dtype: Optional[torch.dtype] = None, encoder_channels_last: Optional[bool] = None,
-                       parallel=None):
+                       parallel=None, check_finite: bool = True):
     """`accelerate(policy)` for LeRobot's DiffusionPolicy (see the module doc); returns it.
     With `whole_graph`, `policy.diffusion.generate_actions` (image encoders, global condition,
     denoising loop, slicing) runs as one CUDA graph per input shape (policy_graph.py);
     `encoder_dtype` and `encoder_channels_last` (default: on where there are images) apply to
-    `policy.diffusion.rgb_encoder`; `parallel`: GraphedSampler's."""
+    `policy.diffusion.rgb_encoder`; `parallel`: GraphedSampler's. With `check_finite`,
+    `generate_actions` raises NonFiniteError where its batch or its actions hold NaN or Inf
+    (accelerate's doc); LeRobot's queues then hold the observation but no actions
+    (`policy.reset()` empties them)."""
     parallel = Picard.of(parallel)
+    check_finite = check_finite_option(check_finite)
     model = policy.diffusion
     if "_dpa_sample" in vars(model):
         raise ValueError("this policy is already accelerated; accelerate a fresh policy instead")
@@ -185,7 +190,9 @@ def accelerate_lerobot(policy, dtype: Optional[torch.dtype] = None, *, whole_gra
         set_encoder_precision(encoder, encoder_dtype, channels_last)
     if whole_graph:
         vars(model)["generate_actions"] = GraphedPolicyCall(model.generate_actions, model, sample.sampler_now,
-                                                            "generate_actions")
+                                                            "generate_actions", check_finite)
+    elif check_finite:
+        vars(model)["generate_actions"] = FiniteGuard(model.generate_actions, "generate_actions", model)
     return policy
 
 
@@ -200,9 +207,13 @@ class LeRobotPretrained:
     """A LeRobot diffusion policy's U-Net, schedule and settings, loaded by
     `load_lerobot_pretrained`. It works in LeRobot's normalised space: `global_cond` is what
     LeRobot's `_prepare_global_conditioning` builds from normalised observations (and image
-    features), and actions come back normalised, for LeRobot's postprocessor to undo."""
+    features), and actions come back normalised, for LeRobot's postprocessor to undo. With
+    `check_finite`, `predict_action_chunk` raises NonFiniteError where global_cond, the noise
+    or the actions hold NaN or Inf (sampling/finite.py; the attribute `check_finite` may be
+    changed later)."""
 
-    def __init__(self, config: Dict[str, Any], unet: ConditionalUnet1D, schedule: DenoiseSchedule, parallel=None):
+    def __init__(self, config: Dict[str, Any], unet: ConditionalUnet1D, schedule: DenoiseSchedule, parallel=None,
+                 check_finite: bool = True):
         self.config = config
         self.unet = unet
         self.schedule = schedule
@@ -212,6 +223,8 @@ class LeRobotPretrained:
         self.n_action_steps = int(config["n_action_steps"])
         self.action_dim = unet.input_dim
         self.global_cond_dim = unet.global_cond_dim
+        self.check_finite = check_finite_option(check_finite)
+        self._guard = FiniteGuard(self.predict_action_chunk, "predict_action_chunk", unet)
 
     @property
     def device(self) -> torch.device:
@@ -235,7 +248,10 @@ class LeRobotPretrained:
         """LeRobot's `generate_actions` after the global condition: the n_action_steps
         normalised actions [B, n_action_steps, action_dim] from the last observation step on."""
         start = self.n_obs_steps - 1
-        return self.sample(global_cond, generator, noise)[:, start:start + self.n_action_steps]
+        chunk = lambda: self.sample(global_cond, generator, noise)[:, start:start + self.n_action_steps]
+        if not self.check_finite:
+            return chunk()
+        return self._guard.run(chunk, self._guard.observations((global_cond, generator, noise), {}))
 
 
 def _schedule_config(config: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], int]:
@@ -253,12 +269,16 @@ def _schedule_config(config: Mapping[str, Any]) -> Tuple[str, Dict[str, Any], in
 
 
 def load_lerobot_pretrained(path, device: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                            num_inference_steps: Optional[int] = None, parallel=None) -> LeRobotPretrained:
+                            num_inference_steps: Optional[int] = None, parallel=None,
+                            check_finite: bool = True) -> LeRobotPretrained:
     """A LeRobot DiffusionPolicy folder (`save_pretrained`: config.json, model.safetensors) as
     this package's U-Net and DDPM/DDIM schedule, on `device` (default: CUDA where there is
     one) in `dtype` (default float32), with the config's number of denoising steps or
-    `num_inference_steps`; `parallel`: GraphedSampler's. Needs `safetensors`, not LeRobot."""
+    `num_inference_steps`; `parallel`: GraphedSampler's; `check_finite`: predict_action_chunk
+    raises NonFiniteError instead of returning NaN or Inf (LeRobotPretrained). Needs
+    `safetensors`, not LeRobot."""
     parallel = Picard.of(parallel)
+    check_finite = check_finite_option(check_finite)
     folder = Path(path)
     config_path, weights_path = folder / "config.json", folder / "model.safetensors"
     for file in (config_path, weights_path):
@@ -301,4 +321,4 @@ def load_lerobot_pretrained(path, device: Optional[str] = None, dtype: Optional[
             raise ValueError(f"num_inference_steps must be a positive integer or None, got {num_inference_steps!r}")
         steps = num_inference_steps
     schedule = DenoiseSchedule.from_diffusers(scheduler_config, steps, kind=kind)
-    return LeRobotPretrained(config, unet, schedule, parallel)
+    return LeRobotPretrained(config, unet, schedule, parallel, check_finite)

@@ -10,9 +10,13 @@ tensor's shape, dtype and device, the other arguments' values, the kernel config
 each call copies the new observations into the graph's input buffers, replays it, and
 returns copies of its outputs. The modules are used as they are.
 
-What a graph cannot hold is found at capture where it can be: an encoder that synchronises
-with the host (`.item()`, a branch on a tensor's value, a copy to the CPU) makes the capture
-fail, and one whose Python code does something else on a later call (a counter, a random
+Before the first capture, the owner's modules whose ordinary code breaks a capture are made
+capturable where that changes no result (capturable.py: torchvision's Normalize builds its
+constants once per device, PyTorch's transformer modules test their mask once; torchvision's
+random transforms refuse to be captured). What a graph still cannot hold is found at capture
+where it can be: an encoder that synchronises with the host (`.item()`, a branch on a
+tensor's value, a copy to the CPU) makes the capture fail, and the warning names the module
+and the line; one whose Python code does something else on a later call (a counter, a random
 choice on the host) makes the first replay differ from the eager call it is checked against.
 Either way the method warns once and runs eagerly from then on (the denoising loop still as
 the sampler's own graph). What the graphs follow: the arguments' signature, the owner's and
@@ -38,6 +42,8 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..kernels.config import current_kernel_config
+from .capturable import capture_failure, end_generator_capture, make_capturable
+from .finite import CallFlags, FiniteGuard
 from .sampler import GraphedSampler
 
 __all__ = ["GraphedPolicyCall"]
@@ -78,13 +84,17 @@ class GraphedPolicyCall:
     graph replay on CUDA. `owner` is the module whose parameters and buffers the method reads
     (a move or conversion of them, seen as new storage, drops the graphs); `sampler()` returns
     the GraphedSampler the method's denoising loop will use now, built anew where the
-    schedule or weights changed (which also drops the graphs)."""
+    schedule or weights changed (which also drops the graphs). With `check_finite`, a call
+    whose observations or actions hold NaN or Inf raises NonFiniteError (finite.py), the flags
+    computed inside the graph and read with one copy after the replay."""
 
-    def __init__(self, method: Callable, owner: nn.Module, sampler: Callable[[], GraphedSampler], name: str):
+    def __init__(self, method: Callable, owner: nn.Module, sampler: Callable[[], GraphedSampler], name: str,
+                 check_finite: bool = False):
         self.method = method
         self.owner = owner
         self.sampler = sampler
         self.name = name
+        self.guard = FiniteGuard(method, name, owner) if check_finite else None
         self.refused: Optional[str] = None  # why the method runs eagerly, once capture failed
         self._graphs: Dict[Tuple, "_CapturedCall"] = {}
         # (sampler, registrations, tensors, their storage) the graphs were made with
@@ -96,21 +106,31 @@ class GraphedPolicyCall:
         # A caller capturing a graph of its own gets the call inlined into it.
         if (self.refused is not None or not sampler.use_cuda_graph or self.owner.training
                 or torch.cuda.is_current_stream_capturing()):
-            return self.method(*args, **kwargs)
+            return self._eager(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(leaves, spec, sampler)
         if key is None:
-            return self.method(*args, **kwargs)
+            return self._eager(*args, **kwargs)
         self._drop_stale_graphs(sampler)
         captured = self._graphs.get(key)
         if captured is not None:
-            return captured.replay(leaves)
+            return self._checked(captured, captured.replay(leaves))
         captured = self._capture(leaves, spec, sampler)
         if captured is None:
-            return self.method(*args, **kwargs)
+            return self._eager(*args, **kwargs)
         self._graphs[key] = captured
         # The checked first replay ran on these very inputs and drew this call's noise.
-        return captured.copy_of_output()
+        return self._checked(captured, captured.copy_of_output())
+
+    def _eager(self, *args, **kwargs):
+        """The method run as it is (guarded where the call checks for NaN and Inf)."""
+        return (self.guard or self.method)(*args, **kwargs)
+
+    def _checked(self, captured: "_CapturedCall", output):
+        """`output`, after the replay's flags (with check_finite) say it and the observations are finite."""
+        if captured.flags is not None:
+            self.guard.check(captured.flags)
+        return output
 
     def _key(self, leaves: List[Any], spec, sampler: GraphedSampler) -> Optional[Tuple]:
         """The graph's key for these arguments, or None where the call must run eagerly."""
@@ -157,8 +177,9 @@ class GraphedPolicyCall:
               f"{sampler.num_steps}-step denoising loop) as one CUDA graph (once per input shape)...",
               file=sys.stderr, flush=True)
         rng = torch.cuda.get_rng_state(sampler.device)
+        make_capturable(self.owner)
         try:
-            return _CapturedCall(self.method, leaves, spec, sampler)
+            return _CapturedCall(self.method, leaves, spec, sampler, self.guard)
         except _NotCapturable as reason:
             torch.cuda.set_rng_state(rng, sampler.device)  # the eager call draws what it would have
             self.refused = str(reason)
@@ -176,8 +197,11 @@ class _NotCapturable(Exception):
 class _CapturedCall:
     """One captured call with its static inputs and outputs."""
 
-    def __init__(self, method: Callable, leaves: List[Any], spec, sampler: GraphedSampler):
+    def __init__(self, method: Callable, leaves: List[Any], spec, sampler: GraphedSampler,
+                 guard: Optional[FiniteGuard] = None):
         device = sampler.device
+        # The observations' and actions' finiteness flags, written by every replay (with a guard).
+        self.flags: Optional[CallFlags] = None
         self.static = [leaf.clone() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         args, kwargs = tree_unflatten(self.static, spec)
         rng = torch.cuda.get_rng_state(device)
@@ -195,17 +219,18 @@ class _CapturedCall:
                 # thread_local: a host synchronisation of this thread's fails the capture, other
                 # threads' CUDA calls (a server's) are left alone.
                 with sampler.capture(self.graph, capture_error_mode="thread_local"):
+                    flags = None if guard is None else CallFlags(guard.observations(args, kwargs))
                     self.output = method(*args, **kwargs)
+                    if flags is not None:
+                        flags.finish(guard.actions(self.output))
+                self.flags = flags
             except Exception as error:  # any failure of the capture: run eagerly, never guess
                 # A capture that ends in an error leaves its stream current (torch.cuda.graph
                 # restores the caller's only after a capture that ends well).
                 torch.cuda.set_stream(caller)
-                _end_generator_capture(device)
-                # torch.cuda.graph's own error at the capture's end hides the one that broke it.
-                cause = error
-                if "capture" in str(error) and isinstance(error.__context__, Exception):
-                    cause = error.__context__
-                raise _NotCapturable(f"capture failed: {type(cause).__name__}: {str(cause).splitlines()[0]}")
+                end_generator_capture(device)
+                # The modules are named within the method's owner (a bound method's object).
+                raise _NotCapturable(capture_failure(error, getattr(method, "__self__", None)))
         torch.cuda.set_rng_state(rng, device)  # the replay draws what the warm-up drew
         self.graph.replay()
         self._check(expected)
@@ -232,7 +257,11 @@ class _CapturedCall:
             if got.shape != want.shape or got.dtype != want.dtype:
                 raise _NotCapturable("an output's shape or dtype differs from the eager call's")
             if want.is_floating_point():
-                scale = want.abs().max().item() if want.numel() else 0.0
+                # The scale of the finite values: NaN or Inf actions (a first call with a NaN
+                # observation; the guard's to report) must not make the tolerance NaN and refuse
+                # the graph. allclose compares NaN with NaN and an Inf with itself.
+                finite = want[torch.isfinite(want)]
+                scale = finite.abs().max().item() if finite.numel() else 0.0
                 if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(scale, 1.0), equal_nan=True):
                     raise _NotCapturable("its first replay differs from the eager call on the same inputs: the "
                                          "method does something else on each call")
@@ -249,14 +278,6 @@ class _CapturedCall:
     def copy_of_output(self):
         """The last replay's outputs, copied so that they survive the next replay."""
         return tree_map(lambda value: value.clone() if isinstance(value, torch.Tensor) else value, self.output)
-
-
-def _end_generator_capture(device: torch.device) -> None:
-    """A capture that fails leaves the default CUDA generator expecting to be captured (PyTorch
-    ends a generator's capture only when the graph's does), and every later random draw on
-    the device raising; the capture of one trivial kernel starts and ends its capture again."""
-    with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
-        torch.zeros(1, device=device)
 
 
 def set_encoder_precision(encoder: nn.Module, dtype: Optional[torch.dtype], channels_last: bool) -> None:

@@ -31,6 +31,7 @@ from ..model.unet import ConditionalUnet1D
 from ..kernels import ops
 from ..kernels.config import current_kernel_config
 from ..model.schedulers import DenoiseSchedule
+from .capturable import CaptureError, capture_failure, end_generator_capture
 from .picard import Picard, PicardLoop, graph_loops_supported
 
 
@@ -39,67 +40,33 @@ from .picard import Picard, PicardLoop, graph_loops_supported
 _FILM_ROWS_BYTES = 32 << 20
 
 
-class GraphedSampler:
-    """`sampler(condition_data, condition_mask, local_cond, global_cond, generator)` returns
-    what Diffusion Policy's `conditional_sample` returns, as one CUDA graph replay per call
-    on CUDA (`use_cuda_graph=None` means: when the U-Net is on a CUDA device) and as the
-    same hoisted loop run eagerly otherwise.
+class _LoopSampler:
+    """What GraphedSampler and the generic path's GenericSampler (generic.py) share: the
+    device, dtype and schedule of a denoising loop over a network (`_loop`, the subclass's),
+    Diffusion Policy's noise draws, the argument checks, and running the loop eagerly, inlined
+    into a caller's capture, or as one CUDA graph per input signature (_CapturedLoop) on a
+    stream of the sampler's own."""
 
-    One graph is captured per (batch, horizon, action dim, conditioning, kernel
-    configuration) on first use, with a message on stderr. The U-Net's weights and the
-    schedule must not change afterwards (build a new sampler if they do); the graphs keep
-    references to them.
+    _picard: Optional[PicardLoop] = None  # GraphedSampler's parallel loop
+    _picard_budget: Optional[int] = None
 
-    `parallel` (None: the sequential loop) samples the same trajectory by Picard iteration
-    (sampling/picard.py): True for the defaults, or a `Picard(window, tolerance)`. On CUDA its
-    iterations loop inside the graph (CUDA 12.4+; else a budget of iterations measured at
-    capture, unrolled, with the rest run eagerly where a call needs more).
-    """
-
-    def __init__(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule, *,
-                 use_cuda_graph: Optional[bool] = None, parallel=None):
-        if not isinstance(unet, ConditionalUnet1D):
-            raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got "
-                            f"{type(unet).__name__}")
-        if not isinstance(schedule, DenoiseSchedule):
-            raise TypeError(f"schedule must be a DenoiseSchedule, got {type(schedule).__name__}")
-        parameter = next(unet.parameters())
+    def _init_loop(self, network: torch.nn.Module, parameter: torch.Tensor, what: str, schedule: DenoiseSchedule,
+                   use_cuda_graph: Optional[bool]) -> None:
+        """The loop's device and dtype are `parameter`'s, one of `network`'s (`what`, in messages)."""
         self.device, self.dtype = parameter.device, parameter.dtype
         if use_cuda_graph is None:
             use_cuda_graph = self.device.type == "cuda"
         if use_cuda_graph and self.device.type != "cuda":
-            raise ValueError(f"use_cuda_graph needs the U-Net on a CUDA device, it is on {self.device}")
-        self.unet = unet
+            raise ValueError(f"use_cuda_graph needs the {what} on a CUDA device, it is on {self.device}")
+        self._network, self._what = network, what
         self.schedule = schedule.to(self.device)
         self.use_cuda_graph = use_cuda_graph
         self.num_steps = len(schedule.timesteps)
-        with torch.inference_mode():
-            per_step, per_observation = unet.film_embedding_tables(schedule.timesteps)
-            # Every block's FiLM encoder side by side: [steps, sum of widths] per-step rows and
-            # one [sum of widths, global_cond_dim] weight, so a call and a step each cost one
-            # launch for all blocks; block m reads columns self._film_columns[m].
-            self._film_table = torch.cat(list(per_step.values()), dim=1)
-            self._film_weight = torch.cat(list(per_observation.values()), dim=0)
-        self._film_columns, start = {}, 0
-        for block, table in per_step.items():
-            self._film_columns[block] = (start, start + table.shape[1])
-            start += table.shape[1]
         self._adds_noise = any(self.schedule.needs_noise(i) for i in range(self.num_steps))
         self._graphs: Dict[Tuple, "_CapturedLoop"] = {}
         self._inlined = 0
         self._capture_stream: Optional[torch.cuda.Stream] = None
         self._loop_pools: Optional[list] = None  # while capture() captures
-        self.parallel = Picard.of(parallel)
-        self._picard = None if self.parallel is None else PicardLoop(self, self.parallel)
-        # The Picard iterations unrolled into a graph where graph loops are not available.
-        self._picard_budget: Optional[int] = None
-
-    @property
-    def last_iterations(self) -> Optional[int]:
-        """The parallel loop's iterations in the last call (None: sequential)."""
-        if self._picard is None or self._picard.last_iterations is None:
-            return None
-        return int(self._picard.last_iterations)
 
     @contextlib.contextmanager
     def capture(self, graph: "torch.cuda.CUDAGraph", **kwargs) -> Iterator[None]:
@@ -139,6 +106,124 @@ class GraphedSampler:
         finally:
             self._inlined -= 1
 
+    def _draw_noise(self, condition_data: torch.Tensor, generator: Optional[torch.Generator],
+                    initial_noise: Optional[torch.Tensor]) -> torch.Tensor:
+        """All the loop's noise, [steps + 1, *shape]: Diffusion Policy's own first draw (or
+        `initial_noise`), then one draw for all the steps' noise."""
+        shape = condition_data.shape
+        like = dict(device=condition_data.device, dtype=condition_data.dtype)
+        initial = torch.randn(shape, generator=generator, **like) if initial_noise is None else initial_noise.to(**like)
+        steps_shape = (self.num_steps,) + tuple(shape)
+        # Draw step noise only if a step uses it, so that DDIM with eta = 0 consumes the
+        # generator exactly as Diffusion Policy does.
+        steps = (torch.randn(steps_shape, generator=generator, **like) if self._adds_noise
+                 else torch.zeros(steps_shape, **like))
+        return torch.cat([initial[None], steps])
+
+    def _run(self, inputs: Dict[str, Optional[torch.Tensor]], key: Tuple) -> torch.Tensor:
+        """`_loop(**inputs)`, its floating inputs in the loop's dtype and all on its device:
+        eagerly, inlined into a caller's capture, or as the replay of the graph for `key`."""
+        inputs = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+                  for k, v in inputs.items()}
+        with torch.inference_mode():
+            # Inside a capture of the caller's own, the loop joins that graph.
+            if not self.use_cuda_graph or self._inlined or torch.cuda.is_current_stream_capturing():
+                return self._loop(**inputs)
+            captured = self._graphs.get(key)
+            if captured is None:
+                captured = self._new_graph(inputs)
+                if captured is None:
+                    return self._loop(**inputs)
+                self._graphs[key] = captured
+            return captured.replay(inputs)
+
+    def _new_graph(self, inputs: Dict[str, Optional[torch.Tensor]]) -> Optional["_CapturedLoop"]:
+        """The loop captured for these inputs' shapes (None: run it eagerly)."""
+        return _CapturedLoop(self, inputs)
+
+    def _check_tensors(self, floating: Dict[str, Optional[torch.Tensor]], condition_mask,
+                       others: Optional[Dict[str, Optional[torch.Tensor]]] = None) -> None:
+        """condition_data (in `floating`) and condition_mask are tensors with values (not meta),
+        the other arguments None or such tensors; `floating`'s of a floating dtype."""
+        for name, value in {**floating, "condition_mask": condition_mask, **(others or {})}.items():
+            if value is None and name not in ("condition_data", "condition_mask"):
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+            if value.is_meta and self.device.type != "meta":
+                raise ValueError(f"{name} is a meta tensor (a shape without data); the sampler needs values")
+            if name in floating and not value.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor (of any floating dtype: the loop computes "
+                                f"in the {self._what}'s {str(self.dtype).removeprefix('torch.')}), got "
+                                f"{str(value.dtype).removeprefix('torch.')}")
+
+    @staticmethod
+    def _check_mask(condition_data: torch.Tensor, condition_mask: torch.Tensor) -> None:
+        if condition_mask.shape != condition_data.shape or condition_mask.dtype != torch.bool:
+            raise ValueError(f"condition_mask must be a bool tensor shaped like condition_data "
+                             f"{list(condition_data.shape)}, got {condition_mask.dtype} "
+                             f"{list(condition_mask.shape)}")
+
+    def _check_noise(self, condition_data: torch.Tensor, noise: Optional[torch.Tensor],
+                     initial_noise: Optional[torch.Tensor]) -> None:
+        if noise is not None and noise.shape != (self.num_steps + 1,) + tuple(condition_data.shape):
+            raise ValueError(f"noise must be [{self.num_steps + 1}, *condition_data.shape], got "
+                             f"{list(noise.shape)}")
+        if initial_noise is not None and (noise is not None or initial_noise.shape != condition_data.shape):
+            raise ValueError(f"initial_noise must be shaped like condition_data {list(condition_data.shape)} and "
+                             f"not given with noise, got {list(initial_noise.shape)}"
+                             + (" and noise" if noise is not None else ""))
+
+
+class GraphedSampler(_LoopSampler):
+    """`sampler(condition_data, condition_mask, local_cond, global_cond, generator)` returns
+    what Diffusion Policy's `conditional_sample` returns, as one CUDA graph replay per call
+    on CUDA (`use_cuda_graph=None` means: when the U-Net is on a CUDA device) and as the
+    same hoisted loop run eagerly otherwise.
+
+    One graph is captured per (batch, horizon, action dim, conditioning, kernel
+    configuration) on first use, with a message on stderr. The U-Net's weights and the
+    schedule must not change afterwards (build a new sampler if they do); the graphs keep
+    references to them.
+
+    `parallel` (None: the sequential loop) samples the same trajectory by Picard iteration
+    (sampling/picard.py): True for the defaults, or a `Picard(window, tolerance)`. On CUDA its
+    iterations loop inside the graph (CUDA 12.4+; else a budget of iterations measured at
+    capture, unrolled, with the rest run eagerly where a call needs more).
+    """
+
+    def __init__(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule, *,
+                 use_cuda_graph: Optional[bool] = None, parallel=None):
+        if not isinstance(unet, ConditionalUnet1D):
+            raise TypeError(f"unet must be diffusion_policy_accelerated.ConditionalUnet1D, got "
+                            f"{type(unet).__name__}")
+        if not isinstance(schedule, DenoiseSchedule):
+            raise TypeError(f"schedule must be a DenoiseSchedule, got {type(schedule).__name__}")
+        self.unet = unet
+        self._init_loop(unet, next(unet.parameters()), "U-Net", schedule, use_cuda_graph)
+        with torch.inference_mode():
+            per_step, per_observation = unet.film_embedding_tables(schedule.timesteps)
+            # Every block's FiLM encoder side by side: [steps, sum of widths] per-step rows and
+            # one [sum of widths, global_cond_dim] weight, so a call and a step each cost one
+            # launch for all blocks; block m reads columns self._film_columns[m].
+            self._film_table = torch.cat(list(per_step.values()), dim=1)
+            self._film_weight = torch.cat(list(per_observation.values()), dim=0)
+        self._film_columns, start = {}, 0
+        for block, table in per_step.items():
+            self._film_columns[block] = (start, start + table.shape[1])
+            start += table.shape[1]
+        self.parallel = Picard.of(parallel)
+        self._picard = None if self.parallel is None else PicardLoop(self, self.parallel)
+        # The Picard iterations unrolled into a graph where graph loops are not available.
+        self._picard_budget: Optional[int] = None
+
+    @property
+    def last_iterations(self) -> Optional[int]:
+        """The parallel loop's iterations in the last call (None: sequential)."""
+        if self._picard is None or self._picard.last_iterations is None:
+            return None
+        return int(self._picard.last_iterations)
+
     def __call__(self, condition_data: torch.Tensor, condition_mask: torch.Tensor,
                  local_cond: Optional[torch.Tensor] = None,
                  global_cond: Optional[torch.Tensor] = None,
@@ -155,32 +240,13 @@ class GraphedSampler:
         gets float64 back, computed in the U-Net's precision). Integer or bool data, and meta
         tensors, raise TypeError / ValueError naming the argument."""
         self._check_inputs(condition_data, condition_mask, local_cond, global_cond, noise, initial_noise)
-        shape = condition_data.shape
         if noise is None:
-            # Diffusion Policy's own first draw, then one draw for all the steps' noise.
-            like = dict(device=condition_data.device, dtype=condition_data.dtype)
-            initial = torch.randn(shape, generator=generator, **like) if initial_noise is None else initial_noise.to(**like)
-            steps_shape = (self.num_steps,) + tuple(shape)
-            # Draw step noise only if a step uses it, so that DDIM with eta = 0 consumes the
-            # generator exactly as Diffusion Policy does.
-            steps = (torch.randn(steps_shape, generator=generator, **like) if self._adds_noise
-                     else torch.zeros(steps_shape, **like))
-            noise = torch.cat([initial[None], steps])
+            noise = self._draw_noise(condition_data, generator, initial_noise)
         inputs = dict(condition_data=condition_data, condition_mask=condition_mask,
                       local_cond=local_cond, global_cond=global_cond, noise=noise)
-        inputs = {k: None if v is None else v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
-                  for k, v in inputs.items()}
-        with torch.inference_mode():
-            # Inside a capture of the caller's own, the loop joins that graph.
-            if not self.use_cuda_graph or self._inlined or torch.cuda.is_current_stream_capturing():
-                trajectory = self._loop(**inputs)
-            else:
-                # A graph bakes in the routes and launch features the configuration chose.
-                key = (tuple(shape), local_cond is not None, global_cond is not None, current_kernel_config())
-                if key not in self._graphs:
-                    self._graphs[key] = _CapturedLoop(self, inputs)
-                trajectory = self._graphs[key].replay(inputs)
-        return trajectory.to(condition_data.dtype)
+        # A graph bakes in the routes and launch features the configuration chose.
+        key = (tuple(condition_data.shape), local_cond is not None, global_cond is not None, current_kernel_config())
+        return self._run(inputs, key).to(condition_data.dtype)
 
     def _loop(self, condition_data, condition_mask, local_cond, global_cond, noise):
         """The hoisted denoising loop; run eagerly, or once under capture. Per step: the
@@ -218,34 +284,14 @@ class GraphedSampler:
             yield from (self._film_table[first:first + chunk, None, :] + film_observation).unbind(0)
 
     def _check_inputs(self, condition_data, condition_mask, local_cond, global_cond, noise, initial_noise):
-        floating = dict(condition_data=condition_data, local_cond=local_cond, global_cond=global_cond, noise=noise,
-                        initial_noise=initial_noise)
-        for name, value in {**floating, "condition_mask": condition_mask}.items():
-            if value is None and name not in ("condition_data", "condition_mask"):
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-            if value.is_meta and self.device.type != "meta":
-                raise ValueError(f"{name} is a meta tensor (a shape without data); the sampler needs values")
-            if name in floating and not value.is_floating_point():
-                raise TypeError(f"{name} must be a floating-point tensor (of any floating dtype: the loop computes "
-                                f"in the U-Net's {str(self.dtype).removeprefix('torch.')}), got "
-                                f"{str(value.dtype).removeprefix('torch.')}")
+        self._check_tensors(dict(condition_data=condition_data, local_cond=local_cond, global_cond=global_cond,
+                                 noise=noise, initial_noise=initial_noise), condition_mask)
         if condition_data.dim() != 3:
             raise ValueError(f"condition_data must be [batch, horizon, action_dim], got "
                              f"{list(condition_data.shape)}")
-        if condition_mask.shape != condition_data.shape or condition_mask.dtype != torch.bool:
-            raise ValueError(f"condition_mask must be a bool tensor shaped like condition_data "
-                             f"{list(condition_data.shape)}, got {condition_mask.dtype} "
-                             f"{list(condition_mask.shape)}")
+        self._check_mask(condition_data, condition_mask)
         self.unet.check_inputs(condition_data.shape, local_cond, global_cond, sample_name="condition_data")
-        if noise is not None and noise.shape != (self.num_steps + 1,) + tuple(condition_data.shape):
-            raise ValueError(f"noise must be [{self.num_steps + 1}, *condition_data.shape], got "
-                             f"{list(noise.shape)}")
-        if initial_noise is not None and (noise is not None or initial_noise.shape != condition_data.shape):
-            raise ValueError(f"initial_noise must be shaped like condition_data {list(condition_data.shape)} and "
-                             f"not given with noise, got {list(initial_noise.shape)}"
-                             + (" and noise" if noise is not None else ""))
+        self._check_noise(condition_data, noise, initial_noise)
 
 
 def _release_pools(device_index: int, pools) -> None:
@@ -258,18 +304,21 @@ class FollowingSampler:
     rebuilt (tables, graphs) when `get`'s key (the schedule's settings), the device the
     policy's weights are on, or the U-Net's weights change, in place included (their version
     counters) or moved and back (their storage), so that a sampler never mixes new weights with
-    tables or graphs of old ones."""
+    tables or graphs of old ones. `build(unet, schedule)` makes the sampler: by default a
+    GraphedSampler with `parallel`; the generic path's GenericSampler for another denoiser
+    (`unet` is then that module)."""
 
-    def __init__(self, unet: ConditionalUnet1D, parallel=None):
+    def __init__(self, unet: torch.nn.Module, parallel=None, *, build=None):
         self.unet = unet
         self.parallel = Picard.of(parallel)
+        self.build = build or self._graphed_sampler
         # This package's U-Net has a fixed module tree; walking it (unet.parameters()) took
         # ~0.2 ms a call, more than the rest of a graphed policy call's host work.
         self._modules = list(unet.modules())
         self.key = None
-        self.sampler: Optional[GraphedSampler] = None
+        self.sampler: Optional[_LoopSampler] = None
 
-    def get(self, key, make_schedule, device: torch.device) -> GraphedSampler:
+    def get(self, key, make_schedule, device: torch.device) -> _LoopSampler:
         """The sampler for `key`, built with make_schedule() where it changed; the U-Net (its
         counters, or a copy of other weights) follows `device`, the policy's."""
         parameters = [p for module in self._modules for p in module._parameters.values() if p is not None]
@@ -281,15 +330,21 @@ class FollowingSampler:
                     tuple(p.data_ptr() for p in parameters))
         if full_key() != self.key:
             self.unet.to(device=device)
-            self.sampler = GraphedSampler(self.unet, make_schedule(), parallel=self.parallel)
+            self.sampler = self.build(self.unet, make_schedule())
             self.key = full_key()  # after the move, which may have given the weights new storage
         return self.sampler
 
+    def _graphed_sampler(self, unet: ConditionalUnet1D, schedule: DenoiseSchedule) -> "GraphedSampler":
+        return GraphedSampler(unet, schedule, parallel=self.parallel)
+
 
 class _CapturedLoop:
-    """One captured `_loop` for fixed input shapes, with the static buffers it reads."""
+    """One captured `_loop` for fixed input shapes, with the static buffers it reads. Errors
+    of the warm-up are raised as they are; a capture that fails raises CaptureError, naming
+    the module and line that broke it (capturable.capture_failure)."""
 
-    def __init__(self, sampler: GraphedSampler, inputs: Dict[str, Optional[torch.Tensor]]):
+    def __init__(self, sampler: _LoopSampler, inputs: Dict[str, Optional[torch.Tensor]],
+                 capture_error_mode: str = "global"):
         self.sampler = sampler
         batch = inputs["condition_data"].shape[0]
         print(f"diffusion_policy_accelerated: capturing the {sampler.num_steps}-step denoising loop "
@@ -309,9 +364,15 @@ class _CapturedLoop:
                   f"{sampler.last_iterations}); a call that needs more finishes eagerly", file=sys.stderr, flush=True)
         sampler._picard_budget = self.picard_budget
         self.graph = torch.cuda.CUDAGraph()
+        caller = torch.cuda.current_stream(sampler.device)
         try:
-            with sampler.capture(self.graph):
+            with sampler.capture(self.graph, capture_error_mode=capture_error_mode):
                 self.output = sampler._loop(**self.static)
+        except Exception as error:
+            # torch.cuda.graph hands the caller's stream back only after a capture that ends well.
+            torch.cuda.set_stream(caller)
+            end_generator_capture(sampler.device)
+            raise CaptureError(capture_failure(error, sampler._network)) from error
         finally:
             sampler._picard_budget = None
         self.iterations = self.start = None

@@ -17,9 +17,9 @@ starting at once with the few that came during the run. Starting at once splits
 closed-loop clients into groups that take turns, each request then waiting for another
 group's batch before its own. A lone request pays `max_wait_s` once.
 
-Every submitted request gets exactly one outcome: its actions, the batch's exception, or
-`ClientGone` if its client disconnected before its batch started (its rows are then not
-computed). A full queue raises `Overloaded` at submission, and so does a stopping batcher;
+Every submitted request gets exactly one outcome: its actions, the batch's exception, its own
+`NonFiniteError` where its actions hold NaN or Inf (ServedPolicy's guard), or `ClientGone` if
+its client disconnected before its batch started (its rows are then not computed). A full queue raises `Overloaded` at submission, and so does a stopping batcher;
 `stop()` answers everything already queued first.
 """
 import asyncio
@@ -30,6 +30,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
+from ..sampling.finite import NonFiniteError
 from .metrics import Metrics
 from .policies import ServedPolicy
 from .protocol import ActRequest
@@ -225,9 +226,13 @@ class Batcher:
             return
         self.metrics.observe_batch(timings["batch_rows"], timings["compute_ms"] / 1e3)
         for pending, action in zip(batch, actions):
-            result = Result(action, {"queue_ms": 1e3 * (started - pending.arrival), **timings})
-            if not pending.future.done():
-                pending.future.set_result(result)
+            if pending.future.done():
+                continue
+            if isinstance(action, NonFiniteError):  # this request's alone; the others get theirs
+                self.metrics.non_finite_actions.inc()
+                pending.future.set_exception(action)
+            else:
+                pending.future.set_result(Result(action, {"queue_ms": 1e3 * (started - pending.arrival), **timings}))
 
 
 def check_instances(policy: Union[ServedPolicy, Sequence[ServedPolicy]]) -> List[ServedPolicy]:

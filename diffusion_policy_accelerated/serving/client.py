@@ -9,7 +9,8 @@ Each call is one HTTP request on a kept-alive connection, with a timeout per att
 deadline over all of them. Connection failures and 5xx answers (the server overloaded,
 warming up, restarting, or a replica lost) are retried with exponential backoff until the
 deadline: computing an action has no side effect, so a retried request is safe. 4xx answers
-(a malformed request) raise `RequestRejected` at once. One client per thread.
+(a malformed request; 422: NaN or Inf in its inputs or in the actions computed for it, which a
+robot must not execute) raise `RequestRejected` at once. One client per thread.
 """
 import http.client
 import json
@@ -26,7 +27,8 @@ RETRIED_STATUSES = (500, 502, 503, 504)
 
 
 class RequestRejected(Exception):
-    """The server refused the request as malformed (4xx); `status` and the server's message."""
+    """The server refused the request (4xx: malformed, or 422 for NaN or Inf in its inputs or its
+    actions); `status` and the server's message."""
 
     def __init__(self, status: int, message: str):
         super().__init__(f"{status}: {message}")

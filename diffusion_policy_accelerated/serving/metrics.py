@@ -43,8 +43,8 @@ LATENCY_BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0
 
 class Metrics:
     """Requests by HTTP status, request latency (arrival to response, seconds), batches and
-    their rows and compute time, rows waiting, requests dropped because their client left;
-    open connections, connections refused over the limit, requests that did not arrive in
+    their rows and compute time, rows waiting, requests dropped because their client left,
+    requests whose actions held NaN or Inf (answered 422, not sent); open connections, connections refused over the limit, requests that did not arrive in
     time (connections.py). Only the server's event loop touches them, so they need no lock."""
 
     def __init__(self):
@@ -55,6 +55,7 @@ class Metrics:
         self.rows = Counter()
         self.failed_batches = Counter()
         self.dropped = Counter()
+        self.non_finite_actions = Counter()
         self.queue_rows = Gauge()
         self.connections = Gauge()
         self.refused_connections = Counter()
@@ -78,6 +79,7 @@ class Metrics:
         for name, metric, kind in (("dpa_rows_total", self.rows, "counter"),
                                    ("dpa_failed_batches_total", self.failed_batches, "counter"),
                                    ("dpa_dropped_requests_total", self.dropped, "counter"),
+                                   ("dpa_non_finite_actions_total", self.non_finite_actions, "counter"),
                                    ("dpa_queue_rows", self.queue_rows, "gauge"),
                                    ("dpa_connections", self.connections, "gauge"),
                                    ("dpa_refused_connections_total", self.refused_connections, "counter"),

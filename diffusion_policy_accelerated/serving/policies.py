@@ -14,13 +14,14 @@ Serve builds one policy per replica from it.
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from ..sampling.finite import NonFiniteError
 from ..sampling.picard import Picard
-from .protocol import ActRequest, PolicySpec, TensorSpec
+from .protocol import ActRequest, PolicySpec, TensorSpec, non_finite_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # What a request's rows are turned into: {input name: [bucket, *shape] float32 tensor on the
@@ -36,7 +37,8 @@ class PolicySource:
     features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
     condition in, normalised actions out). `steps` overrides the number of denoising steps;
     `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
-    Picard iteration with that window and `parallel_tolerance` (sampling/picard.py)."""
+    Picard iteration with that window and `parallel_tolerance` (sampling/picard.py);
+    `check_finite`: the server's non-finite guard (ServedPolicy)."""
     kind: str = "demo"
     path: Optional[str] = None
     device: Optional[str] = None
@@ -45,6 +47,7 @@ class PolicySource:
     scheduler: str = "ddpm"
     parallel_window: Optional[int] = None
     parallel_tolerance: float = 0.1
+    check_finite: bool = True
 
     def __post_init__(self):
         if self.kind not in ("demo", "checkpoint", "lerobot"):
@@ -58,6 +61,8 @@ class PolicySource:
         if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
                                        or self.steps < 1):
             raise ValueError(f"steps must be a positive integer or None, got {self.steps!r}")
+        if not isinstance(self.check_finite, bool):
+            raise ValueError(f"check_finite must be a bool, got {self.check_finite!r}")
         self.parallel()  # checks the window and tolerance
 
     def parallel(self) -> Optional[Picard]:
@@ -78,11 +83,17 @@ class ServedPolicy:
     """A sampler behind named observation inputs (see the module doc). `act` is not
     thread-safe: a server calls it from one worker thread. Instances that a server runs side
     by side must not share a model or sampler (load_policy makes each its own): their CUDA
-    graphs' buffers would be used by two threads at once."""
+    graphs' buffers would be used by two threads at once.
+
+    `check_finite` (the non-finite guard): a request whose actions hold NaN or Inf gets a
+    NonFiniteError instead (HTTP 422), the other requests of its batch their actions; the check
+    reads the actions' host copy, which is made anyway (no other synchronisation). The server
+    refuses inputs that hold NaN or Inf before they reach a batch (protocol.py)."""
 
     def __init__(self, *, name: str, inputs: Dict[str, TensorSpec], action_shape: Tuple[int, int],
                  trajectory_shape: Tuple[int, int], num_steps: int, device: torch.device, predict: Predict,
-                 max_rows: int = 64, info: Optional[Dict[str, object]] = None, seed: int = 0):
+                 max_rows: int = 64, info: Optional[Dict[str, object]] = None, seed: int = 0,
+                 check_finite: bool = True):
         self.name = name
         self.inputs = dict(inputs)
         self.trajectory_shape = tuple(trajectory_shape)
@@ -90,8 +101,10 @@ class ServedPolicy:
         self.device = torch.device(device)
         self.predict = predict
         self.buckets = batch_buckets(max_rows)
+        self.check_finite = check_finite
         self.spec = PolicySpec(self.inputs, TensorSpec(tuple(action_shape)), max_rows,
-                               {"policy": name, "device": str(self.device), **(info or {})})
+                               {"policy": name, "device": str(self.device), "check_finite": check_finite,
+                                **(info or {})})
         # The noise of rows without a seed: one stream per instance (instances of one server
         # take different seeds), on the policy's device.
         self.generator = torch.Generator(self.device).manual_seed(seed)
@@ -115,9 +128,10 @@ class ServedPolicy:
             log(f"dpa serve: batch {bucket} ready ({i + 1}/{len(self.buckets)}, "
                 f"{time.perf_counter() - start:.1f} s)")
 
-    def act(self, requests: Sequence[ActRequest]) -> Tuple[List[np.ndarray], Dict[str, float]]:
+    def act(self, requests: Sequence[ActRequest]) -> Tuple[List[Union[np.ndarray, NonFiniteError]], Dict[str, float]]:
         """The action chunks of `requests` ([rows, Ta, Da] each, or [Ta, Da] for a single
-        observation), in order, and the batch's timings. Rows past max_rows run as further
+        observation), in order, and the batch's timings; with check_finite, a NonFiniteError in
+        place of a request's chunk that holds NaN or Inf. Rows past max_rows run as further
         batches."""
         actions, batches, start = [], [], time.perf_counter()
         groups, rows = [[]], 0
@@ -134,11 +148,19 @@ class ServedPolicy:
             offset = 0
             for request in group:
                 chunk = out[offset:offset + request.rows]
-                actions.append(chunk[0] if request.single else chunk)
+                actions.append(self._checked(chunk[0] if request.single else chunk, request.single))
                 offset += request.rows
         timings = {"compute_ms": 1e3 * (time.perf_counter() - start), "batch_rows": sum(r.rows for r in requests),
                    "bucket": max(self.bucket(b) for b in batches)}
         return actions, timings
+
+    def _checked(self, action: np.ndarray, single: bool) -> Union[np.ndarray, NonFiniteError]:
+        if not self.check_finite or np.isfinite(action).all():
+            return action
+        return NonFiniteError(f"the actions computed for this request hold NaN or Inf{non_finite_rows(action, single)}, "
+                              f"from finite inputs: the policy's weights, or an overflow in its arithmetic (a float16 "
+                              f"or bfloat16 --dtype? inputs far outside the training range?), made them; not sent "
+                              f"(dpa serve --no-check-finite sends them)", "actions", ["action"])
 
     def _run(self, inputs: Dict[str, np.ndarray], seeds: Sequence[Tuple[int, Optional[int]]]) -> np.ndarray:
         if self.stream is None:
@@ -186,18 +208,22 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
             "sampler": "sequential" if settings is None else
             f"parallel (Picard, window {settings.window}, tolerance {settings.tolerance})",
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"}
+    # The library's own guard is off: ServedPolicy checks each request's actions on their host
+    # copy (with source.check_finite), where the library's would fail a whole batch.
+    guard = dict(check_finite=source.check_finite)
     if source.kind == "demo":
-        return _demo_policy(source, device, dtype, max_rows, info, seed)
+        return _demo_policy(source, device, dtype, max_rows, info, seed, guard)
     if source.kind == "checkpoint":
         from ..adapters.checkpoint import LOWDIM_POLICY, load_checkpoint
 
         ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
-                               parallel=source.parallel())
+                               parallel=source.parallel(), check_finite=False)
         info.update(source=source.path, policy_class=ckpt.policy_class, steps=ckpt.sampler.num_steps,
                     scheduler=ckpt.schedule.kind)
         trajectory = (ckpt.trajectory_length, ckpt.unet_config["input_dim"])
         common = dict(action_shape=(ckpt.n_action_steps, ckpt.action_dim), trajectory_shape=trajectory,
-                      num_steps=ckpt.sampler.num_steps, device=device, max_rows=max_rows, info=info, seed=seed)
+                      num_steps=ckpt.sampler.num_steps, device=device, max_rows=max_rows, info=info, seed=seed,
+                      **guard)
         if ckpt.policy_class == LOWDIM_POLICY:
             # Raw observations: the checkpoint's normaliser runs in the server.
             return ServedPolicy(name=f"{ckpt.policy_class} ({source.path})",
@@ -216,19 +242,19 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     from ..adapters.lerobot import load_lerobot_pretrained
 
     policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
-                                     parallel=source.parallel())
+                                     parallel=source.parallel(), check_finite=False)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
                 normalised=True)
     return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), normalised global condition",
                         inputs={"global_cond": TensorSpec((policy.global_cond_dim,))},
                         action_shape=(policy.n_action_steps, policy.action_dim),
                         trajectory_shape=(policy.horizon, policy.action_dim), num_steps=policy.sampler.num_steps,
-                        device=device, max_rows=max_rows, info=info, seed=seed,
+                        device=device, max_rows=max_rows, info=info, seed=seed, **guard,
                         predict=lambda x, noise: policy.predict_action_chunk(x["global_cond"], noise=noise))
 
 
 def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype, max_rows: int,
-                 info: Dict[str, object], seed: int) -> ServedPolicy:
+                 info: Dict[str, object], seed: int, guard: Dict[str, bool]) -> ServedPolicy:
     from ..model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
     from ..model.unet import ConditionalUnet1D
     from ..sampling.sampler import GraphedSampler
@@ -251,4 +277,4 @@ def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype,
     return ServedPolicy(name="demo: Diffusion Policy's lowdim Push-T U-Net, random weights",
                         inputs={"global_cond": TensorSpec((config["global_cond_dim"],))}, action_shape=shape,
                         trajectory_shape=shape, num_steps=sampler.num_steps, device=device, predict=predict,
-                        max_rows=max_rows, info=info, seed=seed)
+                        max_rows=max_rows, info=info, seed=seed, **guard)

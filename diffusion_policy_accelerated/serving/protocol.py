@@ -15,7 +15,9 @@ is ever unpickled.
                     200: safetensors {"action": [Ta, Da] or [n, Ta, Da]}, metadata with the
                     server's timings (also in the Server-Timing header).
                     4xx/5xx: JSON {"error": "..."}; 503 (overloaded, warming up, shutting
-                    down) carries Retry-After and is safe to retry.
+                    down) carries Retry-After and is safe to retry. 422: NaN or Inf in an
+                    input (named) or in the actions computed for the request, which are not
+                    sent (the server's non-finite guard, on unless `dpa serve --no-check-finite`).
     GET  /health    200 {"status": "ok", ...} when serving, 503 while warming up or stopping.
     GET  /metrics   Prometheus text: requests by status, batches, rows, latencies.
 
@@ -129,8 +131,18 @@ def decode_tensors(body: bytes) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
     return tensors, metadata
 
 
-def parse_act_request(body: bytes, spec: PolicySpec) -> ActRequest:
-    """Validate a POST /v1/act body against the policy's spec; RequestError names what is wrong."""
+def non_finite_rows(array: np.ndarray, single: bool) -> str:
+    """" (rows [i, ...] of n)" for the rows of `array` ([n, ...], or one row where `single`)
+    that hold a NaN or an Inf; "" for a single row."""
+    if single:
+        return ""
+    rows = np.flatnonzero(~np.isfinite(array.reshape(len(array), -1)).all(axis=1)).tolist()
+    return f" (rows [{', '.join(map(str, rows[:5]))}{', ...' if len(rows) > 5 else ''}] of {len(array)})"
+
+
+def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) -> ActRequest:
+    """Validate a POST /v1/act body against the policy's spec; RequestError names what is wrong.
+    With `check_finite`, an input holding NaN or Inf is refused with 422."""
     if len(body) > spec.max_request_bytes:
         raise RequestError(413, f"the body has {len(body)} bytes, more than the {spec.max_request_bytes} "
                                 f"that {spec.max_rows} observations take")
@@ -156,8 +168,9 @@ def parse_act_request(body: bytes, spec: PolicySpec) -> ActRequest:
                                     f"but an earlier input {'one observation' if single else rows}: every input "
                                     f"needs the same leading dimension")
         rows, single = this_rows, this_single
-        if not np.isfinite(array).all():
-            raise RequestError(400, f"input {name!r} has NaN or infinite values")
+        if check_finite and not np.isfinite(array).all():
+            raise RequestError(422, f"input {name!r} has NaN or infinite values{non_finite_rows(array, single)}: "
+                                    f"no actions computed (dpa serve --no-check-finite lets them through)")
     if not 1 <= rows <= spec.max_rows:
         raise RequestError(400, f"a request holds 1 to {spec.max_rows} observations, got {rows}")
     unknown = sorted(set(metadata) - {SEED_KEY})

@@ -27,6 +27,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..sampling.finite import NonFiniteError
 from .policies import PolicySource, load_policy
 from .protocol import CONTENT_TYPE, ActRequest, RequestError, encode_action, parse_act_request, server_timing_header
 
@@ -64,10 +65,12 @@ class PolicyDeployment:
                     raise RequestError(413, f"the body has {declared} bytes, more than the "
                                             f"{self.policy.spec.max_request_bytes} that {self.policy.max_rows} "
                                             f"observations take")
-                parsed = parse_act_request(await request.body(), self.policy.spec)
+                parsed = parse_act_request(await request.body(), self.policy.spec, self.policy.check_finite)
             except RequestError as error:
                 return _json(error.status, {"error": error.message})
             action, timings = await self.act_batch(parsed)
+            if isinstance(action, NonFiniteError):  # NaN or Inf in this request's actions: not sent
+                return _json(422, {"error": str(action)})
             return Response(encode_action(action, timings), media_type=CONTENT_TYPE,
                             headers={"Server-Timing": server_timing_header(timings)})
         if request.method == "GET" and path.endswith("/v1/spec"):

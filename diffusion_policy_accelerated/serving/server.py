@@ -22,6 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # aiohttp's dependency there
     from async_timeout import timeout as _timeout
 
+from ..sampling.finite import NonFiniteError
 from .batcher import DRAIN_TIMEOUT_S, Batcher, ClientGone, Overloaded
 from .connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS, READ_TIMEOUT_S, ConnectionGuard
 from .metrics import Metrics
@@ -145,10 +146,13 @@ class PolicyServer:
                 # Closed now: aiohttp would otherwise wait for the rest of the body (its lingering time).
                 request.protocol.force_close()
                 return response
-            result = await self.batcher.submit(parse_act_request(body, self.policy.spec),
+            result = await self.batcher.submit(parse_act_request(body, self.policy.spec, self.policy.check_finite),
                                                lambda: _connected(request))
         except RequestError as error:
             return _error(error.status, error.message)
+        # NaN or Inf in this request's actions (ServedPolicy's guard): not sent, named.
+        except NonFiniteError as error:
+            return _error(422, str(error))
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body is larger than the {self.policy.spec.max_request_bytes} bytes that "
                                f"{self.policy.max_rows} observations take")

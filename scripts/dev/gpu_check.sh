@@ -107,7 +107,7 @@ if want bench; then
 fi
 
 if want policy; then
-  echo "== benchmark: predict_action end to end, lowdim and image policies (DPA_POLICY_ARGS)"
+  echo "== benchmark: predict_action end to end, lowdim, image and transformer policies (DPA_POLICY_ARGS)"
   python3 -m scripts.benchmark_policy --out "$WORK" ${DPA_POLICY_ARGS:-} 2>&1 | tee "$WORK/benchmark_policy.txt" \
     || status=1
 fi

@@ -222,26 +222,9 @@ def test_unet_constructor_arguments_are_inferred(name):
 # What accelerate() refuses.
 # --------------------------------------------------------------------------------------
 
-class TransformerForDiffusion(nn.Module):
-    """The shape of Diffusion Policy's transformer noise predictor, as far as accelerate sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.input_emb = nn.Linear(2, 16)
-        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, batch_first=True), 1)
-        self.head = nn.Linear(16, 2)
-
-
 def test_training_mode_is_refused():
     policy = make_policy("lowdim global cond").train()
     with pytest.raises(ValueError, match=r"policy.eval\(\)"):
-        accelerate(policy)
-
-
-def test_transformer_policy_is_refused():
-    policy = make_policy("lowdim global cond")
-    policy.model = TransformerForDiffusion().eval()
-    with pytest.raises(TypeError, match="transformer policies"):
         accelerate(policy)
 
 

@@ -22,9 +22,11 @@ TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 
 
 def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=True, n_groups=8, image=False,
-                device="cpu", seed=0, scale=3.0):
+                device="cpu", seed=0, scale=3.0, separate_encoders=False):
     """A small LeRobot DiffusionPolicy: state (2) and environment state (3), or an image, with
-    the U-Net's weights scaled up (`scale`) so that every layer matters."""
+    the U-Net's weights scaled up (`scale`) so that every layer matters. The encoder's settings
+    are given, not LeRobot's defaults, which 0.6 changed (GroupNorm and one encoder for all
+    cameras were 0.4's)."""
     inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
     if image:
         inputs["observation.image"] = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 32, 32))
@@ -35,7 +37,9 @@ def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=T
                              down_dims=down_dims, diffusion_step_embed_dim=16, n_groups=n_groups,
                              use_film_scale_modulation=film_scale, noise_scheduler_type=scheduler,
                              num_inference_steps=steps, spatial_softmax_num_keypoints=4,
-                             pretrained_backbone_weights=None, horizon=16, n_action_steps=8, device=device)
+                             pretrained_backbone_weights=None, use_group_norm=True,
+                             use_separate_rgb_encoder_per_camera=separate_encoders, horizon=16, n_action_steps=8,
+                             device=device)
     torch.manual_seed(seed)
     policy = modeling.DiffusionPolicy(config).to(device).eval()
     with torch.no_grad():
@@ -183,6 +187,61 @@ def test_image_policy_whole_graph_with_a_channels_last_encoder(device):
                                        reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
     if device == "cuda":
         assert len(policy.diffusion.generate_actions._graphs) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_encoder_per_camera(device):
+    """LeRobot 0.6's default: a ResNet per camera (rgb_encoder a ModuleList), channels-last
+    here; LeRobot's actions."""
+    reference = make_policy(image=True, separate_encoders=True, device=device)
+    assert isinstance(reference.diffusion.rgb_encoder, torch.nn.ModuleList)
+    policy = dpa.accelerate(copy.deepcopy(reference), encoder_channels_last=True)
+    obs = observations(reference, 2, device)
+    noise = torch.randn(2, 16, 2).to(device)
+    with torch.no_grad():
+        torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
+                                   reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("whole_graph", [True, False], ids=["whole graph", "loop graph"])
+def test_non_finite_observations_and_actions_raise(device, whole_graph):
+    """check_finite (the default): a NaN in select_action's observation, and a NaN weight in
+    the U-Net, raise dpa.NonFiniteError naming them instead of returning actions; after a
+    reset the policy acts again. check_finite=False returns LeRobot's own NaN actions."""
+    policy = dpa.accelerate(make_policy(device=device), whole_graph=whole_graph)
+    step = observations(policy, 2, device, steps=False)
+    bad = {**step, "observation.state": step["observation.state"].clone()}
+    bad["observation.state"][1, 0] = float("nan")
+    with torch.no_grad():
+        policy.select_action(dict(step))  # on CUDA: the graph is captured, then replayed below
+        policy.reset()
+        with pytest.raises(dpa.NonFiniteError, match=r"generate_actions: NaN or Inf in the observations: "
+                                                     r"batch\['observation.state'\] \(rows \[1\] of 2\)") as caught:
+            policy.select_action(dict(bad))
+        assert caught.value.where == "observations"
+        policy.reset()
+        assert torch.isfinite(policy.select_action(dict(step))).all()
+        policy.diffusion.unet.final_conv[1].weight[0, 0, 0] = float("nan")
+        policy.reset()
+        with pytest.raises(dpa.NonFiniteError, match=r"actions, from finite observations: result \(rows \[0, 1\] of "
+                                                     r"2\).*not finite: unet\.final_conv\.1\.weight"):
+            policy.select_action(dict(step))
+        unchecked = dpa.accelerate(make_policy(device=device), whole_graph=whole_graph, check_finite=False)
+        assert torch.isnan(unchecked.select_action(dict(bad))[1]).all()
+
+
+def test_load_pretrained_non_finite_guard(tmp_path):
+    make_policy().save_pretrained(tmp_path)
+    loaded = dpa.load_lerobot_pretrained(tmp_path, device="cpu")
+    global_cond = torch.randn(3, loaded.global_cond_dim)
+    global_cond[2, 0] = float("inf")
+    with pytest.raises(dpa.NonFiniteError, match=r"predict_action_chunk: NaN or Inf in the observations: "
+                                                 r"global_cond \(rows \[2\] of 3\)"):
+        loaded.predict_action_chunk(global_cond)
+    unchecked = dpa.load_lerobot_pretrained(tmp_path, device="cpu", check_finite=False)
+    actions = unchecked.predict_action_chunk(global_cond)
+    assert torch.isfinite(actions[:2]).all() and not torch.isfinite(actions[2]).all()
 
 
 def test_encoder_options_without_images_are_refused():

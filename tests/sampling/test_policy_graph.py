@@ -1,7 +1,8 @@
 """accelerate()'s whole-call graph (policy_graph.py): normalisation, the observation encoder and
 the denoising loop of `predict_action` as one CUDA graph replay, on Diffusion Policy's image
 policy with its real encoder architecture (torchvision's ResNet18 with GroupNorm, one per
-camera); and what it refuses to capture."""
+camera) and its real-robot configuration (Diffusion Policy's MultiImageObsEncoder with
+torchvision's Resize and ImageNet Normalize, and a crop); and what it refuses to capture."""
 import copy
 import warnings
 
@@ -12,7 +13,9 @@ from diffusers import DDIMScheduler
 
 from tests.support import DEVICES
 from diffusion_policy_accelerated import accelerate
-from tests.support.dp_policies import ImagePolicy, ResNetObsEncoder, Sizes
+from diffusion_policy_accelerated.sampling.capturable import make_capturable
+from diffusion_policy_accelerated.sampling.policy_graph import GraphedPolicyCall
+from tests.support.dp_policies import ImagePolicy, ResNetObsEncoder, Sizes, real_robot_encoder
 from tests.support.dp_reference import RefUnet, randomize_
 from tests.adapters.test_accelerate import ACTION_TOLERANCE, SCHEDULER_CONFIG, UNET_SIZE, make_policy, max_abs_difference, predict
 from tests.adapters.test_accelerate import make_obs as make_obs_for
@@ -61,6 +64,61 @@ def test_resnet_image_policy_actions_equal_the_policys_own(cameras, device):
         assert accelerated.conditional_sample.sampler._graphs == {}
 
 
+def real_robot_policy(cameras, device, **sizes):
+    """Diffusion Policy's real-robot image configuration (train_diffusion_unet_real_image_workspace
+    .yaml's encoder: imagenet_norm, resize_shape [240, 320], crop_shape [216, 288], a ResNet18-GN
+    per camera; `sizes` changes them) with `cameras` cameras and a low-dim pose, DDIM-8."""
+    torch.manual_seed(0)
+    encoder, feature_dim, shapes = real_robot_encoder(cameras, **sizes)
+    unet = randomize_(RefUnet(**UNET_SIZE, input_dim=SIZES.action_dim, global_cond_dim=feature_dim * SIZES.n_obs_steps,
+                              cond_predict_scale=True), seed=1)
+    policy = ImagePolicy(unet, DDIMScheduler(**SCHEDULER_CONFIG), "global", 8, SIZES, encoder, feature_dim, shapes)
+    return policy.to(device).eval()
+
+
+def real_robot_obs(policy, batch, seed):
+    generator = torch.Generator().manual_seed(seed)
+    shapes = policy.obs_encoder.key_shape_map
+    obs = {key: torch.rand(batch, SIZES.n_obs_steps, *shapes[key], generator=generator)
+           for key in policy.obs_encoder.rgb_keys}
+    obs["robot_eef_pose"] = torch.randn(batch, SIZES.n_obs_steps, *shapes["robot_eef_pose"], generator=generator)
+    return {key: value.to(policy.device) for key, value in obs.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("cameras,camera_shape", [(1, (3, 240, 320)), (2, (3, 120, 160)), (3, (3, 240, 320))])
+def test_real_robot_configuration_runs_as_one_graph(cameras, camera_shape, channels_last):
+    """The configuration whose capture failed in torchvision's Normalize: one graph per batch
+    size, no warning, and actions equal to the policy's own (NCHW: the same kernels as eager;
+    channels-last, accelerate's default, cuDNN's NHWC kernels). 120x160 cameras are resized."""
+    reference = real_robot_policy(cameras, "cuda", camera_shape=camera_shape)
+    accelerated = accelerate(copy.deepcopy(reference), encoder_channels_last=channels_last)
+    tolerance = 1e-3 if channels_last else ACTION_TOLERANCE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call, batch in enumerate([1, 2, 1]):
+            obs = real_robot_obs(reference, batch, seed=call)
+            assert max_abs_difference(predict(accelerated, obs, call), predict(reference, obs, call)) <= tolerance
+    assert not [w for w in caught if "CUDA graph" in str(w.message)]
+    whole = accelerated.predict_action
+    assert whole.refused is None and len(whole._graphs) == 2
+    assert accelerated.conditional_sample.sampler._graphs == {}
+
+
+@pytest.mark.parametrize("cameras", [1, 3])
+def test_real_robot_configuration_made_capturable_gives_the_policys_actions(cameras):
+    """On the CPU, at a small size: the module swap a capture needs (torchvision's Normalize)
+    leaves the accelerated policy's actions the policy's own."""
+    sizes = dict(camera_shape=(3, 30, 40), resize_shape=(24, 32), crop_shape=(20, 28))
+    reference = real_robot_policy(cameras, "cpu", **sizes)
+    accelerated = accelerate(copy.deepcopy(reference))
+    assert make_capturable(accelerated) == [f"obs_encoder.key_transform_map.camera_{i}.2" for i in range(cameras)]
+    for call, batch in enumerate([1, 3]):
+        obs = real_robot_obs(reference, batch, seed=call)
+        assert max_abs_difference(predict(accelerated, obs, call), predict(reference, obs, call)) <= ACTION_TOLERANCE
+
+
 @pytest.mark.gpu
 def test_unseeded_calls_draw_the_noise_the_eager_calls_draw():
     """Seeded once, then called again and again: each graphed call advances the generator as
@@ -82,7 +140,8 @@ def test_unseeded_calls_draw_the_noise_the_eager_calls_draw():
 def test_whole_graph_off_keeps_the_encoder_eager():
     reference = resnet_policy(1, "cuda")
     accelerated = accelerate(copy.deepcopy(reference), whole_graph=False)
-    assert "predict_action" not in vars(accelerated)
+    # Only the non-finite guard (eager) stands in for predict_action.
+    assert not isinstance(vars(accelerated).get("predict_action"), GraphedPolicyCall)
     obs = image_obs(reference, 2, seed=0)
     assert max_abs_difference(predict(accelerated, obs, 0), predict(reference, obs, 0)) <= ACTION_TOLERANCE
     assert len(accelerated.conditional_sample.sampler._graphs) == 1

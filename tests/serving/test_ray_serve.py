@@ -66,6 +66,14 @@ def test_batched_answers_equal_the_policy(url, local_policy):
         with pytest.raises(RequestRejected, match="must be \\[40\\] \\(one observation\\)") as caught:
             client.act({"global_cond": np.zeros(COND + 1)})
         assert caught.value.status == 400
+        # The non-finite guard: NaN in an input, and actions that overflow (a finite input past
+        # what float32 products hold), are answered 422 naming which.
+        with pytest.raises(RequestRejected, match="input 'global_cond' has NaN or infinite values") as caught:
+            client.act({"global_cond": np.full(COND, np.nan, np.float32)})
+        assert caught.value.status == 422
+        with pytest.raises(RequestRejected, match="the actions computed for this request hold NaN or Inf") as caught:
+            client.act({"global_cond": np.full(COND, 3e38, np.float32)})
+        assert caught.value.status == 422
 
 
 def test_replica_killed_mid_run_leaves_no_request_unanswered(url):

@@ -99,8 +99,10 @@ def good(rows=None):
     (body_of({**good(), "obs": np.ones((1, 1, 2, 3), np.float32)}), 400, "input 'obs' must be [2, 3]"),
     (body_of({**good(2), "goal": np.zeros((3, 4), np.float32)}), 400, "every input needs the same leading dimension"),
     (body_of({**good(), "goal": np.zeros((1, 4), np.float32)}), 400, "every input needs the same leading dimension"),
-    (body_of({**good(), "obs": np.full((2, 3), np.nan, np.float32)}), 400, "input 'obs' has NaN or infinite values"),
-    (body_of({**good(), "goal": np.array([0, np.inf, 0, 0], np.float32)}), 400, "input 'goal' has NaN or infinite"),
+    (body_of({**good(), "obs": np.full((2, 3), np.nan, np.float32)}), 422, "input 'obs' has NaN or infinite values: no"),
+    (body_of({**good(), "goal": np.array([0, np.inf, 0, 0], np.float32)}), 422, "input 'goal' has NaN or infinite"),
+    (body_of({**good(3), "goal": np.array([[0] * 4, [-np.inf] * 4, [np.nan] * 4], np.float32)}), 422,
+     "input 'goal' has NaN or infinite values (rows [1, 2] of 3)"),
     (body_of(good(5)), 400, "a request holds 1 to 4 observations, got 5"),
     (body_of(good(0)), 400, "a request holds 1 to 4 observations, got 0"),
     (body_of(good(), {"seed": "x"}), 400, "metadata 'seed' must be an integer in [0, 2**63), got 'x'"),
@@ -232,7 +234,7 @@ MALFORMED = [
     (protocol.encode_tensors({"obs": np.zeros(COND, np.float32)}), 400, "missing ['global_cond']"),
     (protocol.encode_tensors({"global_cond": np.zeros(COND, np.float64)}), 400, "must be float32, got float64"),
     (protocol.encode_tensors({"global_cond": np.zeros(COND + 1, np.float32)}), 400, "must be [40] (one observation)"),
-    (protocol.encode_tensors({"global_cond": np.full(COND, np.nan, np.float32)}), 400, "NaN or infinite"),
+    (protocol.encode_tensors({"global_cond": np.full(COND, np.nan, np.float32)}), 422, "NaN or infinite"),
     (protocol.encode_tensors({"global_cond": np.zeros((9, COND), np.float32)}), 400, "1 to 8 observations, got 9"),
 ]
 
@@ -265,8 +267,9 @@ def test_malformed_requests_among_good_ones(demo_policy):
             assert status == 200 and health["status"] == "ok"
             spec = client.spec
             assert spec.inputs == {"global_cond": TensorSpec((COND,))} and spec.max_rows == 8
-        metrics = raw_get(server.url, "/metrics")  # 12 malformed of the 24, and the client's float64
-        assert 'dpa_requests_total{code="400"} 13' in metrics and 'dpa_requests_total{code="413"} 1' in metrics
+        metrics = raw_get(server.url, "/metrics")  # 12 malformed of the 24 (2 with NaN), and the client's float64
+        assert 'dpa_requests_total{code="400"} 11' in metrics and 'dpa_requests_total{code="413"} 1' in metrics
+        assert 'dpa_requests_total{code="422"} 2' in metrics
 
 
 def raw_get(url, path):

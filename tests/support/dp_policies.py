@@ -8,7 +8,9 @@ scheduler, `predict_action` with its mask and condition construction for every w
 passing observations), written independently: the diffusion_policy package is not a
 dependency (nor on PyPI). Their noise predictor is any module with DP's U-Net interface:
 `dp_reference.RefUnet` in the tests. `ResNetObsEncoder` is the image policies' encoder at
-Push-T's settings, on torchvision's ResNet18.
+Push-T's settings, on torchvision's ResNet18; `MultiImageObsEncoder` is DP's own encoder
+module tree (torchvision's Resize and Normalize, DP's CropRandomizer), which its real-robot
+configuration builds with ImageNet normalisation, a resize and a crop (`real_robot_encoder`).
 """
 from typing import NamedTuple
 
@@ -160,16 +162,142 @@ def resnet18_group_norm():
     classifier, every BatchNorm replaced by a GroupNorm of channels // 16 groups
     (diffusion_policy/model/vision/model_getter.py and replace_bn_with_gn): [N, 3, H, W] to
     [N, 512]."""
+    return batch_norm_to_group_norm(get_resnet18())
+
+
+def get_resnet18():
+    """model_getter.get_resnet('resnet18', weights=None): untrained, its classifier removed."""
     import torchvision
 
     model = torchvision.models.resnet18(weights=None)
     model.fc = nn.Identity()
+    return model
+
+
+def batch_norm_to_group_norm(model):
+    """Every BatchNorm2d of `model` replaced by a GroupNorm of channels // 16 groups, in place
+    (Diffusion Policy's replace_submodules with use_group_norm)."""
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.BatchNorm2d):
             owner, _, attribute = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attribute,
                     nn.GroupNorm(module.num_features // 16, module.num_features))
     return model
+
+
+class CropRandomizer(nn.Module):
+    """Diffusion Policy's CropRandomizer (diffusion_policy/model/vision/crop_randomizer.py) at
+    inference: torchvision's center_crop to (crop_height, crop_width), repeated num_crops
+    times. Its training-time random crops are not copied."""
+
+    def __init__(self, input_shape, crop_height, crop_width, num_crops=1, pos_enc=False):
+        super().__init__()
+        assert len(input_shape) == 3 and crop_height < input_shape[1] and crop_width < input_shape[2]
+        self.input_shape, self.crop_height, self.crop_width = input_shape, crop_height, crop_width
+        self.num_crops, self.pos_enc = num_crops, pos_enc
+
+    def forward(self, inputs):
+        import torchvision.transforms.functional as ttf
+
+        assert len(inputs.shape) >= 3
+        if self.training:
+            raise NotImplementedError("the stand-in's CropRandomizer is for inference (eval mode)")
+        out = ttf.center_crop(img=inputs, output_size=(self.crop_height, self.crop_width))
+        if self.num_crops > 1:
+            B, C, H, W = out.shape
+            out = out.unsqueeze(1).expand(B, self.num_crops, C, H, W).reshape(-1, C, H, W)
+        return out
+
+
+class MultiImageObsEncoder(nn.Module):
+    """Diffusion Policy's MultiImageObsEncoder (diffusion_policy/model/vision/
+    multi_image_obs_encoder.py): per camera (`rgb` keys of shape_meta, sorted) a transform of
+    torchvision's Resize, DP's CropRandomizer (random_crop; a centre crop in eval mode) and
+    torchvision's ImageNet Normalize (imagenet_norm), then its own copy of `rgb_model` (or one
+    shared model), then the low-dim keys (sorted) appended as they are."""
+
+    def __init__(self, shape_meta, rgb_model, resize_shape=None, crop_shape=None, random_crop=True,
+                 use_group_norm=False, share_rgb_model=False, imagenet_norm=False):
+        import copy
+
+        import torchvision
+
+        super().__init__()
+        rgb_keys, low_dim_keys = [], []
+        key_model_map, key_transform_map, key_shape_map = nn.ModuleDict(), nn.ModuleDict(), {}
+        if share_rgb_model:
+            key_model_map["rgb"] = rgb_model
+        for key, attr in shape_meta["obs"].items():
+            shape = tuple(attr["shape"])
+            key_shape_map[key] = shape
+            if attr.get("type", "low_dim") == "low_dim":
+                low_dim_keys.append(key)
+                continue
+            rgb_keys.append(key)
+            if not share_rgb_model:
+                this_model = rgb_model[key] if isinstance(rgb_model, dict) else copy.deepcopy(rgb_model)
+                key_model_map[key] = batch_norm_to_group_norm(this_model) if use_group_norm else this_model
+            input_shape, this_resizer, this_randomizer = shape, nn.Identity(), nn.Identity()
+            if resize_shape is not None:
+                h, w = resize_shape[key] if isinstance(resize_shape, dict) else resize_shape
+                this_resizer = torchvision.transforms.Resize(size=(h, w))
+                input_shape = (shape[0], h, w)
+            if crop_shape is not None:
+                h, w = crop_shape[key] if isinstance(crop_shape, dict) else crop_shape
+                if random_crop:
+                    this_randomizer = CropRandomizer(input_shape=input_shape, crop_height=h, crop_width=w)
+                # DP builds a CenterCrop here without random_crop and then overwrites it with the
+                # normaliser below: that configuration does not crop.
+            this_normalizer = nn.Identity()
+            if imagenet_norm:
+                this_normalizer = torchvision.transforms.Normalize(mean=[0.485, 0.456, 0.406],
+                                                                   std=[0.229, 0.224, 0.225])
+            key_transform_map[key] = nn.Sequential(this_resizer, this_randomizer, this_normalizer)
+        self.shape_meta = shape_meta
+        self.key_model_map, self.key_transform_map = key_model_map, key_transform_map
+        self.share_rgb_model = share_rgb_model
+        self.rgb_keys, self.low_dim_keys = sorted(rgb_keys), sorted(low_dim_keys)
+        self.key_shape_map = key_shape_map
+
+    def forward(self, obs_dict):
+        batch_size, features = None, []
+        if self.share_rgb_model:
+            imgs = []
+            for key in self.rgb_keys:
+                img = obs_dict[key]
+                batch_size = img.shape[0] if batch_size is None else batch_size
+                assert batch_size == img.shape[0] and img.shape[1:] == self.key_shape_map[key]
+                imgs.append(self.key_transform_map[key](img))
+            feature = self.key_model_map["rgb"](torch.cat(imgs, dim=0))
+            feature = torch.moveaxis(feature.reshape(-1, batch_size, *feature.shape[1:]), 0, 1)
+            features.append(feature.reshape(batch_size, -1))
+        else:
+            for key in self.rgb_keys:
+                img = obs_dict[key]
+                batch_size = img.shape[0] if batch_size is None else batch_size
+                assert batch_size == img.shape[0] and img.shape[1:] == self.key_shape_map[key]
+                features.append(self.key_model_map[key](self.key_transform_map[key](img)))
+        for key in self.low_dim_keys:
+            data = obs_dict[key]
+            batch_size = data.shape[0] if batch_size is None else batch_size
+            assert batch_size == data.shape[0] and data.shape[1:] == self.key_shape_map[key]
+            features.append(data)
+        return torch.cat(features, dim=-1)
+
+
+def real_robot_encoder(cameras, camera_shape=(3, 240, 320), resize_shape=(240, 320), crop_shape=(216, 288),
+                       low_dim_dim=2):
+    """The observation encoder of Diffusion Policy's real-robot image configuration
+    (train_diffusion_unet_real_image_workspace.yaml: one untrained ResNet18 with GroupNorm per
+    camera, imagenet_norm, resize_shape [240, 320], crop_shape [216, 288], random_crop) for
+    `cameras` cameras `camera_0`... of `camera_shape` and a low-dim `robot_eef_pose`; returns
+    (encoder, feature width, observation shapes)."""
+    obs = {f"camera_{i}": {"shape": list(camera_shape), "type": "rgb"} for i in range(cameras)}
+    obs["robot_eef_pose"] = {"shape": [low_dim_dim], "type": "low_dim"}
+    encoder = MultiImageObsEncoder({"obs": obs}, get_resnet18(), resize_shape=list(resize_shape),
+                                   crop_shape=list(crop_shape), random_crop=True, use_group_norm=True,
+                                   share_rgb_model=False, imagenet_norm=True)
+    return encoder, 512 * cameras + low_dim_dim, {key: tuple(value["shape"]) for key, value in obs.items()}
 
 
 class ResNetObsEncoder(nn.Module):
