@@ -14,9 +14,12 @@
 //                  elements <= thresholds[i], tol^2 times step i's noise variance) from the
 //                  window's start on are final, and so is the state after them (it depends only
 //                  on final states), where the window starts next. States that enter the
-//                  window for the first time start as its last new state. It counts the
-//                  iteration and, inside a CUDA graph loop, sets the loop's condition: some
-//                  row has not reached x[N].
+//                  window for the first time are guessed by stepping on from its last new state
+//                  with its last model output, x[j] = F_{j-1}(x[j-1]) with that output: their
+//                  noise (drawn up front) and the drift it predicts, which a copy of the last
+//                  state lacks (fewer iterations; docs/tried.md). It counts the iteration and,
+//                  inside a CUDA graph loop, sets the loop's condition: some row has not
+//                  reached x[N].
 // With thresholds 0 a state is final only once it no longer changes: the sequential
 // sampler's trajectory up to fp32 rounding of the sums.
 #pragma once

@@ -8,6 +8,8 @@ input is not final yet. An iteration evaluates the U-Net once on every window st
 (window x batch rows, each with its own timestep), rebuilds the window by a cumulative sum,
 and moves the window's start past the states whose change since the last iteration is
 within tolerance, and past the one after them, which then depends only on final states.
+States enter a window as a guess: a step from the state before them with the latest model
+output (at the start, the output expected at pure noise), noise included.
 
 Stopping rule: state x[i + 1] (step i's output) is final when the mean over its elements of
 the squared change between two iterations is at most (tolerance * sigma_i)^2, sigma_i^2 being
@@ -83,6 +85,21 @@ class PicardLoop:
         self.last_iterations: Optional[torch.Tensor] = None
         self.last_start: Optional[torch.Tensor] = None
 
+    def _first_guess(self, trajectory, step_noise, condition_data, condition_mask) -> None:
+        """The first window's states x[1..window], guessed by stepping from x[0] with the model
+        output expected at pure noise (the noise itself for epsilon and v prediction, zero,
+        the normalised data's mean, for sample prediction): their noise and a drift, where
+        copies of x[0] have neither (picard_update guesses each later window's new states the
+        same way, with the last output; fewer iterations, docs/tried.md)."""
+        s = self.schedule
+        output = torch.zeros_like(trajectory[0]) if s.prediction_type == "sample" else trajectory[0]
+        for i in range(self.window):
+            trajectory[i + 1] = ops.denoise_step(
+                output, trajectory[i], None if step_noise is None else step_noise[i], s.table, i, scheduler=s.kind,
+                prediction_type=s.prediction_type, clip_sample_range=s.clip_sample_range,
+                use_clipped_model_output=s.use_clipped_model_output, condition_data=condition_data,
+                condition_mask=condition_mask)
+
     def run(self, condition_data, condition_mask, local_cond, noise, film_observation,
             budget: Optional[int] = None) -> torch.Tensor:
         """The loop's last state [batch, ...]. Under a CUDA graph capture, as a loop node of the
@@ -96,6 +113,7 @@ class PicardLoop:
         start = torch.zeros(batch, dtype=torch.int32, device=device)
         state = torch.zeros(3, dtype=torch.int32, device=device)
         step_noise = noise[1:] if self.sampler._adds_noise else None
+        self._first_guess(trajectory, step_noise, condition_data, condition_mask)
         repeated_local = None if local_cond is None else local_cond.repeat(self.window, 1, 1)
 
         def iteration(handle: int = 0) -> None:

@@ -66,8 +66,12 @@ def reference_update(p, sched, thresholds):
         while k + converged < last and errors[converged] <= float(thresholds[k + converged]) * prev.numel():
             converged += 1
         next_k = min(k + converged + 1, steps)
+        out = p["model_output"][(last - 1 - k) * batch + b]  # the window's last output steps the new states
         for j in range(last + 1, min(next_k + w - 1, steps) + 1):
-            x[j, b] = x[last, b]
+            x[j, b] = ops.denoise_step(out, x[j - 1, b], p["noise"][j - 1, b], sched.table, j - 1,
+                                       scheduler=sched.kind, clip_sample_range=sched.clip_sample_range,
+                                       condition_data=None if p["condition_data"] is None else p["condition_data"][b],
+                                       condition_mask=None if p["condition_mask"] is None else p["condition_mask"][b])
         k_all[b] = next_k
     return x, k_all
 

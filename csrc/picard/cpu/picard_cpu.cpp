@@ -91,8 +91,17 @@ void picard_update_cpu(const at::Tensor& trajectory, const at::Tensor& start, co
         int64_t converged = 0;
         while (converged < p.window && k + converged < N && err[converged] <= thr[k + converged] * E) ++converged;
         const int64_t next_k = std::min<int64_t>(k + converged + 1, N);
+        // New states: guessed by stepping on with the window's last model output (picard.h).
+        const int64_t r_last = last - 1 - k;
         for (int64_t j = last + 1; j <= std::min<int64_t>(next_k + p.window - 1, N); ++j) {
-          for (int64_t e = 0; e < E; ++e) x[at(j, e)] = x[at(last, e)];
+          const float* c = t.data_ptr<float>() + (j - 1) * kNumStepColumns;
+          for (int64_t e = 0; e < E; ++e) {
+            const int64_t o = b * E + e;
+            x[at(j, e)] = km && km[o] ? kd[o]
+                                      : denoise_element<scalar_t>(static_cast<float>(mo[(r_last * B + b) * E + e]),
+                                                                  static_cast<float>(x[at(j - 1, e)]),
+                                                                  z ? static_cast<float>(z[at(j - 1, e)]) : 0.f, c, cfg);
+          }
         }
         k_all[b] = static_cast<int>(next_k);
       }

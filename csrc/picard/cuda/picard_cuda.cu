@@ -107,11 +107,22 @@ __global__ void __launch_bounds__(kThreads) picard_update_kernel(
     next_k = static_cast<int>(k < N ? std::min<int64_t>(k + converged + 1, N) : N);
   }
   __syncthreads();
-  // States that enter the next window for the first time start as the last new one.
-  const int64_t fill_end = std::min<int64_t>(next_k + p.window - 1, N);
-  for (int64_t n = threadIdx.x; n < (fill_end - last) * E; n += blockDim.x) {
-    const int64_t j = last + 1 + n / E, e = n % E;
-    x[(j * B + b) * E + e] = x[(last * B + b) * E + e];
+  // States that enter the next window for the first time are guessed by stepping on from the
+  // last new one with the window's last model output (picard.h). Each thread steps the elements
+  // it wrote above, so it reads back its own writes.
+  const int64_t fill_end = std::min<int64_t>(next_k + p.window - 1, N), r_last = last - 1 - k;
+  for (int64_t e = threadIdx.x; e < E && last < fill_end; e += blockDim.x) {
+    const int64_t o = b * E + e;
+    const bool known = condition_mask != nullptr && condition_mask[o];
+    const float output = static_cast<float>(model_output[offset_of(mo_layout, (r_last * B + b) * E + e)]);
+    for (int64_t j = last + 1; j <= fill_end; ++j) {
+      const float prev = static_cast<float>(x[((j - 1) * B + b) * E + e]);
+      x[(j * B + b) * E + e] =
+          known ? condition_data[o]
+                : denoise_element<scalar_t>(output, prev,
+                                            noise != nullptr ? static_cast<float>(noise[((j - 1) * B + b) * E + e]) : 0.f,
+                                            table + (j - 1) * kNumStepColumns, cfg);
+    }
   }
   if (threadIdx.x == 0) {
     start[b] = next_k;
