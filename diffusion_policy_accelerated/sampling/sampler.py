@@ -21,6 +21,7 @@ the same numbers. Pass `noise` ([steps + 1, *shape]: the initial trajectory, the
 variance noise at index i + 1) to reproduce a run exactly.
 """
 import contextlib
+import gc
 import sys
 import weakref
 from typing import Dict, Iterator, Optional, Tuple
@@ -73,11 +74,20 @@ class _LoopSampler:
         """torch.cuda.graph(graph, stream=capture_stream(), **kwargs), keeping the memory pools
         of the graph loops captured into it (a parallel loop's body) for the graph's life."""
         self._loop_pools, pools = [], None
+        # A CUDA graph destroyed during a capture invalidates it. A graph whose owner sits in a
+        # reference cycle (a dropped sampler) is destroyed when Python's collector runs, which any
+        # allocation may trigger, and torch.cuda.graph no longer collects first: collect before,
+        # not during.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
                 yield
             pools = self._loop_pools
         finally:
+            if collecting:
+                gc.enable()
             if pools is None:  # the capture failed: nothing holds the pools
                 _release_pools(self.device.index, self._loop_pools)
             self._loop_pools = None

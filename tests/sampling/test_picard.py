@@ -211,6 +211,28 @@ def test_tolerance_zero_is_the_sequential_trajectory(device, kind, steps, batch)
         assert 1 <= parallel.last_iterations <= steps
 
 
+@pytest.mark.gpu
+def test_a_dropped_sampler_collected_during_a_capture():
+    """A parallel sampler sits in a reference cycle (its loop holds it), so its graph is freed by
+    Python's collector, whenever an allocation triggers it; one freed during another sampler's
+    capture invalidated that capture (seen in the suite). The collector runs on almost every
+    allocation here."""
+    import gc
+
+    model, sched = unet("cuda"), schedule("ddpm", 24)
+    args = inputs(3, "cuda", 24)
+    dropped = GraphedSampler(model, sched, parallel=Picard(window=4, tolerance=0))
+    want = dropped(**args)
+    del dropped
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        got = GraphedSampler(model, sched, parallel=Picard(window=4, tolerance=0))(**args)
+    finally:
+        gc.set_threshold(*threshold)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_loose_tolerance_takes_fewer_iterations(device):
     model, sched = unet(device), schedule("ddpm", 40)
