@@ -26,10 +26,13 @@ What it runs (`DiffusionPolicyCheckpoint`):
   `DiffusionUnetImagePolicy` / `DiffusionUnetHybridImagePolicy` from the features their
   observation encoder produced (the caller runs the encoder).
 - `predict_action(obs_dict)`: the whole `predict_action` of `DiffusionUnetLowdimPolicy`
-  (raw observations in, actions out).
+  (raw observations in, actions out) and of `DiffusionUnetImagePolicy` (camera frames float
+  in [0, 1] and low-dim observations in, actions out), whose `MultiImageObsEncoder` (ResNet
+  backbones) is rebuilt from the config with torchvision alone (dp_encoder.py).
 
-What it does not: it never builds or runs an image policy's observation encoder (ResNet /
-robomimic); `obs_encoder_state_dict()` hands its weights to whoever does. Transformer policies
+What it does not: it never builds or runs the hybrid policy's robomimic encoder
+(`DiffusionUnetHybridImagePolicy` is served from encoder features only);
+`obs_encoder_state_dict()` hands its weights to whoever runs it. Transformer policies
 (`DiffusionTransformer*Policy`), the video policy, and schedulers other than diffusers'
 `DDPMScheduler` / `DDIMScheduler` are refused with an error.
 
@@ -56,10 +59,12 @@ from ..sampling.finite import FiniteGuard, check_finite_option, named_arrays
 from ..sampling.picard import Picard
 from ..sampling.sampler import GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
+from .dp_encoder import ObsEncoder, build_obs_encoder, obs_keys
 
 __all__ = ["load_checkpoint", "DiffusionPolicyCheckpoint", "unet_config_from_state_dict"]
 
 LOWDIM_POLICY = "DiffusionUnetLowdimPolicy"
+IMAGE_POLICY = "DiffusionUnetImagePolicy"  # the one whose encoder is rebuilt (dp_encoder.py)
 IMAGE_POLICIES = ("DiffusionUnetImagePolicy", "DiffusionUnetHybridImagePolicy")
 SUPPORTED_POLICIES = (LOWDIM_POLICY,) + IMAGE_POLICIES
 # The constructor parameters of each policy class; Diffusion Policy passes every other key of
@@ -310,6 +315,7 @@ class DiffusionPolicyCheckpoint:
         self.normalizer_params = {
             field: _map_tensors(params, lambda t: t.to(self.device))
             for field, params in self.normalizer_params.items()}
+        self._obs_encoder: Optional[ObsEncoder] = None
         self.check_finite = check_finite_option(check_finite)
         self._guards = {name: FiniteGuard(getattr(self, name), name, self._named_weights)
                         for name in ("predict_action", "predict_action_from_features")}
@@ -318,6 +324,8 @@ class DiffusionPolicyCheckpoint:
         """The U-Net's weights and the normaliser's scales and offsets, by name: what a
         NonFiniteError about actions names where they are not finite."""
         yield from ((f"unet.{name}", tensor) for name, tensor in self.unet.named_parameters())
+        if self._obs_encoder is not None:
+            yield from ((f"obs_encoder.{name}", tensor) for name, tensor in self._obs_encoder.named_parameters())
         for field, params in self.normalizer_params.items():
             yield from ((f"normalizer.{field}.{key}", params[key]) for key in ("scale", "offset")
                         if torch.is_tensor(params.get(key)))
@@ -512,15 +520,58 @@ class DiffusionPolicyCheckpoint:
 
     def predict_action(self, obs_dict: Mapping, generator: Optional[torch.Generator] = None,
                        noise: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        """`DiffusionUnetLowdimPolicy.predict_action`: {'obs': [B, T_obs >= n_obs_steps,
-        obs_dim]} (raw) -> {'action', 'action_pred'} (+ 'obs_pred', 'action_obs_pred' for
-        inpainting policies), un-normalised. Lowdim policies only: this package does not
-        run the image policies' observation encoder (use `predict_action_from_features`)."""
-        if self.policy_class != LOWDIM_POLICY:
+        """Diffusion Policy's `predict_action`, raw observations in, un-normalised actions out:
+        {'action', 'action_pred'} (+ 'obs_pred', 'action_obs_pred' for lowdim inpainting
+        policies).
+
+        - `DiffusionUnetLowdimPolicy`: {'obs': [B, T_obs >= n_obs_steps, obs_dim]}.
+        - `DiffusionUnetImagePolicy`: every key of the config's shape_meta.obs, each
+          [B, T_obs >= n_obs_steps, *shape]: cameras (`rgb`) float in [0, 1], [B, T, C, H, W],
+          as Diffusion Policy's environments give them; low-dim keys as they are. The
+          observation encoder runs in float32 on `device` (built on first use: `obs_encoder`).
+        - `DiffusionUnetHybridImagePolicy`: refused (its robomimic encoder is not rebuilt:
+          use `predict_action_from_features`).
+        """
+        if self.policy_class == LOWDIM_POLICY:
+            return self._predict_lowdim(obs_dict, generator, noise)
+        if self.policy_class != IMAGE_POLICY:
             raise NotImplementedError(
-                f"{self.policy_class} encodes images with its obs_encoder, which this package does "
-                f"not run: encode the normalised observations yourself (weights: "
-                f"obs_encoder_state_dict()) and call predict_action_from_features")
+                f"{self.policy_class} encodes images with robomimic's encoder, which this package does not "
+                f"rebuild: encode the normalised observations yourself (weights: obs_encoder_state_dict()) and "
+                f"call predict_action_from_features ({IMAGE_POLICY}'s encoder is rebuilt)")
+        if not isinstance(obs_dict, Mapping):
+            raise TypeError(f"obs_dict must be a mapping of observation name to tensor, got {type(obs_dict).__name__}")
+        encoder = self.obs_encoder
+        expected = {**self.obs_shapes}
+        missing, extra = sorted(set(expected) - set(obs_dict)), sorted(set(obs_dict) - set(expected))
+        if missing or extra:
+            raise ValueError(f"obs_dict must hold exactly shape_meta's observations {sorted(expected)}: "
+                             + ", ".join(filter(None, [missing and f"missing {missing}",
+                                                       extra and f"unexpected {extra}"])))
+        To, batch, frames = self.n_obs_steps, None, {}
+        for key, shape in expected.items():
+            value = torch.as_tensor(obs_dict[key])
+            if value.dim() != 2 + len(shape) or tuple(value.shape[2:]) != shape or value.shape[1] < To:
+                raise ValueError(f"obs_dict[{key!r}] must be [B, >= {To}, {', '.join(map(str, shape))}], got "
+                                 f"{list(value.shape)}")
+            if not value.is_floating_point():
+                raise TypeError(f"obs_dict[{key!r}] must be floating point (cameras in [0, 1]), got {value.dtype}")
+            if batch is not None and value.shape[0] != batch:
+                raise ValueError(f"obs_dict[{key!r}] holds {value.shape[0]} observations, another input {batch}")
+            batch = value.shape[0]
+            # DP's normalizer.normalize(obs_dict), then x[:, :To].reshape(-1, *shape) per key.
+            frames[key] = self.normalize(key, value)[:, :To].reshape((-1,) + shape)
+
+        def call():
+            features = encoder(frames).float()
+            if self.obs_as_global_cond:
+                return self._predict(features.reshape(batch, -1), None, generator, noise)
+            return self._predict(None, features.reshape(batch, To, -1), generator, noise)
+
+        return self._guarded("predict_action", call, noise=noise,
+                             **{f"obs_dict[{key!r}]": obs_dict[key] for key in expected})
+
+    def _predict_lowdim(self, obs_dict, generator, noise):
         if "obs" not in obs_dict or "past_action" in obs_dict:
             raise ValueError("obs_dict must have 'obs' (and no 'past_action', which Diffusion "
                              "Policy does not implement either)")
@@ -533,6 +584,37 @@ class DiffusionPolicyCheckpoint:
         else:
             call = lambda: self._predict(None, nobs, generator, noise)
         return self._guarded("predict_action", call, **{"obs_dict['obs']": obs_dict["obs"], "noise": noise})
+
+    @property
+    def obs_shapes(self) -> Dict[str, tuple]:
+        """The image policies' observations, {key: shape of one step}, cameras ([C, H, W])
+        first, then the low-dim keys, each sorted (shape_meta.obs); {} for lowdim policies."""
+        if self.policy_class == LOWDIM_POLICY:
+            return {}
+        rgb, low_dim = obs_keys(self.cfg["policy"]["shape_meta"])
+        return {**rgb, **low_dim}
+
+    @property
+    def camera_keys(self) -> List[str]:
+        """The image policies' camera inputs (shape_meta's `rgb` keys, sorted)."""
+        if self.policy_class == LOWDIM_POLICY:
+            return []
+        return list(obs_keys(self.cfg["policy"]["shape_meta"])[0])
+
+    @property
+    def obs_encoder(self) -> ObsEncoder:
+        """`DiffusionUnetImagePolicy`'s MultiImageObsEncoder, rebuilt from the config and the
+        checkpoint's `obs_encoder.` weights (loaded strictly) on first use, float32 on `device`."""
+        if self.policy_class != IMAGE_POLICY:
+            raise NotImplementedError(f"only {IMAGE_POLICY}'s observation encoder is rebuilt, not "
+                                      f"{self.policy_class}'s")
+        if self._obs_encoder is None:
+            encoder = build_obs_encoder(self.cfg["policy"], self.obs_encoder_state_dict())
+            if encoder.feature_dim != self.obs_feature_dim:
+                raise ValueError(f"the rebuilt obs_encoder gives {encoder.feature_dim} features per step, the "
+                                 f"U-Net takes {self.obs_feature_dim}")
+            self._obs_encoder = encoder.to(self.device)
+        return self._obs_encoder
 
     def obs_encoder_state_dict(self) -> Dict[str, torch.Tensor]:
         """The image policies' observation encoder weights (keys without 'obs_encoder.'; CPU;

@@ -432,10 +432,12 @@ def test_parallel_sampling_reaches_the_checkpoints_sampler(tmp_path):
         load_checkpoint(path, device="cpu", parallel="yes")
 
 
-def test_image_policy_predict_action_is_refused(tmp_path):
+def test_image_policy_with_a_foreign_encoder_is_refused(tmp_path):
+    """This file's image checkpoints hold a stand-in encoder (one 'fc.weight', no rgb_model):
+    predict_action says it cannot rebuild it; tests/adapters/test_dp_encoder.py has real ones."""
     path, *_ = make_checkpoint(tmp_path, policy="image")
     ck = load_checkpoint(path, device="cpu")
-    with pytest.raises(NotImplementedError, match="obs_encoder"):
+    with pytest.raises(ValueError, match="cfg.policy.obs_encoder has no rgb_model"):
         ck.predict_action({"image": torch.zeros(1, 2, 3, 8, 8)})
     assert list(ck.obs_encoder_state_dict()) == ["fc.weight"]
     assert "DiffusionUnetImagePolicy" in repr(ck)
