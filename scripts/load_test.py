@@ -3,6 +3,7 @@
     python scripts/load_test.py --dtype bfloat16                       # demo lowdim U-Net, DDPM-100
     python scripts/load_test.py --clients 1 8 64 --malformed-every 5   # every 5th request malformed
     python scripts/load_test.py --ray-replicas 2 --kill-replica        # through Ray Serve, one replica killed
+    python scripts/load_test.py --image-cameras 1 3 --clients 1 4      # an image policy from camera frames
 
 Starts `dpa serve` (or `dpa serve --ray-replicas N`) as a process of its own on 127.0.0.1,
 waits for its warm-up, then for each client count runs that many client processes (robots
@@ -15,12 +16,19 @@ must get a 4xx, every other request an action). With `--kill-replica`, one Ray S
 is killed in the middle of the largest row: its requests must still be answered (the client
 retries). Every run is bounded (fixed request counts, timeouts); the server is stopped at the
 end. Writes a JSON and, with `--plot`, a figure.
+
+`--image-cameras 1 3` serves, instead, a Diffusion Policy image checkpoint (random weights:
+the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`) with 1, then 3,
+cameras, each sent as uint8 frames [n_obs_steps, C, H, W]; its rows add the bytes of one
+request. That checkpoint is built with the tests' helpers (tests/support/dp_image_checkpoint.py),
+so it runs from the repository's root.
 """
 import argparse
 import concurrent.futures
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,9 +47,13 @@ def malformed_body(spec, k):
     kind = MALFORMED[k % len(MALFORMED)]
     if isinstance(kind, bytes):
         return kind
-    inputs = {name: np.zeros(s.shape, np.float64 if "float64" in kind else np.float32) for name, s in spec.inputs.items()}
+    inputs = {name: np.zeros(s.shape, np.float64 if "float64" in kind else s.dtype) for name, s in spec.inputs.items()}
     if "nan" in kind:
-        next(iter(inputs.values())).flat[0] = np.nan
+        floats = [v for v in inputs.values() if v.dtype.kind == "f"]  # not frames (uint8)
+        if floats:
+            floats[0].flat[0] = np.nan
+        else:
+            inputs = {name: value.astype(np.float64) for name, value in inputs.items()}
     if "extra" in kind:
         inputs["extra"] = np.zeros(1, np.float32)
     return protocol.encode_tensors(inputs)
@@ -61,13 +73,19 @@ def robot(url, requests, malformed_every, seed, start_at):
                 status, _ = client._call("POST", "/v1/act", malformed_body(spec, k), retry=False)
                 rejected += 400 <= status < 500
                 continue
-            obs = {name: rng.standard_normal(s.shape).astype(np.float32) for name, s in spec.inputs.items()}
+            obs = observation(spec, rng)
             start = time.perf_counter()
             client.act(obs)
             latencies.append(time.perf_counter() - start)
             rows.append(client.last_timings.get("batch_rows", 1))
             compute.append(client.last_timings.get("compute_ms", float("nan")))
         return latencies, rows, compute, sent_bad, rejected, client.retries, time.time()
+
+
+def observation(spec, rng):
+    """Fresh inputs of the spec: uint8 frames (0-255) for camera inputs, normal floats otherwise."""
+    return {name: rng.integers(0, 256, s.shape, dtype=np.uint8) if s.dtype == "uint8"
+            else rng.standard_normal(s.shape).astype(np.float32) for name, s in spec.inputs.items()}
 
 
 def run_row(url, clients, requests, malformed_every, kill=None):
@@ -120,28 +138,8 @@ def kill_a_replica():
     return kill
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--requests", type=int, default=20, help="requests per client per row")
-    parser.add_argument("--malformed-every", type=int, default=0, help="make every k-th request malformed")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"])
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--device")
-    parser.add_argument("--checkpoint", help="serve this Diffusion Policy lowdim checkpoint instead of the demo")
-    parser.add_argument("--max-batch", type=int, default=64)
-    parser.add_argument("--port", type=int, default=8790)
-    parser.add_argument("--instances", type=int, help="dpa serve --instances: policy copies whose batches "
-                        "run side by side (default: dpa serve's)")
-    parser.add_argument("--ray-replicas", type=int, help="through Ray Serve with this many replicas")
-    parser.add_argument("--kill-replica", action="store_true", help="kill one Ray Serve replica in the largest row")
-    parser.add_argument("--json", default="load_test.json")
-    parser.add_argument("--plot", help="write a figure of throughput and p99 against clients here")
-    args = parser.parse_args(argv)
-    if args.kill_replica and not args.ray_replicas:
-        parser.error("--kill-replica needs --ray-replicas")
-
+def measure(args, label):
+    """Start the server of `args`, run a row per client count, stop it: (spec, rows)."""
     server = start_server(args, args.port)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -150,6 +148,8 @@ def main(argv=None):
             spec = client.spec
         print(f"serving {spec.info.get('policy')} ({spec.info.get('scheduler', '').upper()}-{spec.info.get('steps')}, "
               f"{spec.info.get('dtype')} on {spec.info.get('device_name')}, torch {spec.info.get('torch')})", flush=True)
+        request_bytes = len(protocol.encode_request(observation(spec, np.random.default_rng(0))))
+        print(f"{label + ': ' if label else ''}{request_bytes} bytes per request (one observation)", flush=True)
         header = (f"{'clients':>7} {'actions':>7} {'chunks/s':>9} {'x seq':>6} {'p50 ms':>8} {'p99 ms':>8} "
                   f"{'p99/lone':>8} {'batch':>6} {'run ms':>7} {'bad 4xx':>8} {'retries':>7}")
         print(header, flush=True)
@@ -157,6 +157,7 @@ def main(argv=None):
         for clients in args.clients:
             kill = kill_a_replica() if args.kill_replica and clients == max(args.clients) else None
             row = run_row(url, clients, args.requests, args.malformed_every, kill)
+            row.update(label=label, request_bytes=request_bytes)
             base = rows[0] if rows else row
             row["x_sequential"] = row["chunks_per_s"] / base["chunks_per_s"]
             row["p99_over_lone"] = row["p99_ms"] / base["p50_ms"]
@@ -172,9 +173,78 @@ def main(argv=None):
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
+    return spec, rows
+
+
+def image_checkpoint(folder, cameras, args):
+    """A DiffusionUnetImagePolicy checkpoint with `cameras` cameras of args.image_size frames and
+    random weights (the tests' helper), its path."""
+    import pathlib
+
+    sys.path.insert(0, os.getcwd())
+    from tests.support.dp_image_checkpoint import make_image_checkpoint
+
+    c, h, w = args.image_size
+    crop = (h - h // 8, w - w // 8)  # DP's real-robot ratio (216 x 288 of 240 x 320)
+    path, *_ = make_image_checkpoint(pathlib.Path(folder), cameras, name=f"image_{cameras}.ckpt",
+                                     scheduler=args.scheduler, steps=args.steps or 10, camera_shape=(c, h, w),
+                                     resize_shape=None, crop_shape=crop)
+    return str(path)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--requests", type=int, default=20, help="requests per client per row")
+    parser.add_argument("--malformed-every", type=int, default=0, help="make every k-th request malformed")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"])
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--device")
+    parser.add_argument("--checkpoint", help="serve this Diffusion Policy checkpoint instead of the demo")
+    parser.add_argument("--image-cameras", type=int, nargs="+", help="serve a random image checkpoint with this many "
+                        "cameras (each count a run of its own), sent as uint8 frames")
+    parser.add_argument("--image-size", type=int, nargs=3, default=[3, 96, 96], metavar=("C", "H", "W"),
+                        help="the image checkpoint's frames (default 3 96 96)")
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--port", type=int, default=8790)
+    parser.add_argument("--instances", type=int, help="dpa serve --instances: policy copies whose batches "
+                        "run side by side (default: dpa serve's)")
+    parser.add_argument("--ray-replicas", type=int, help="through Ray Serve with this many replicas")
+    parser.add_argument("--kill-replica", action="store_true", help="kill one Ray Serve replica in the largest row")
+    parser.add_argument("--json", default="load_test.json")
+    parser.add_argument("--plot", help="write a figure of throughput and p99 against clients here")
+    args = parser.parse_args(argv)
+    if args.kill_replica and not args.ray_replicas:
+        parser.error("--kill-replica needs --ray-replicas")
+    if args.image_cameras and (args.checkpoint or min(args.image_cameras) < 1):
+        parser.error("--image-cameras takes positive counts, and no --checkpoint")
+
+    runs = []
+    if args.image_cameras:
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="dpa_load_test_")
+        try:
+            for cameras in args.image_cameras:
+                args.checkpoint = image_checkpoint(folder, cameras, args)
+                runs.append(measure(args, f"{cameras} camera{'s' if cameras > 1 else ''}"))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        c, h, w = args.image_size
+        print(f"\nimage policy from uint8 frames ({c} x {h} x {w}, a ResNet18 per camera), "
+              f"{runs[0][0].info.get('device_name')}:")
+        print(f"{'cameras':>9} {'bytes/req':>10} {'clients':>7} {'chunks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        for _, run_rows in runs:
+            for row in run_rows:
+                print(f"{row['label']:>9} {row['request_bytes']:>10} {row['clients']:>7} {row['chunks_per_s']:>9.1f} "
+                      f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
+    else:
+        runs.append(measure(args, None))
+    spec, rows = runs[-1]
     with open(args.json, "w") as f:
         json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "instances": args.instances,
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "runs": [{"server": sp.to_json(), "rows": rw} for sp, rw in runs]}, f, indent=1)
     print(f"wrote {args.json}")
     if args.plot:
         plot(rows, spec, args.plot)

@@ -4,6 +4,8 @@
     client = PolicyClient("http://gpu-box:8700")
     action = client.act({"obs": obs})          # [n_action_steps, action_dim] float32 numpy
     action = client.act({"obs": obs_batch})    # [n, n_action_steps, action_dim] for n robots
+    action = client.act({"camera_0": frames, "robot_eef_pose": pose})   # an image policy:
+                                               # frames uint8 [n_obs_steps, C, H, W]
 
 Each call is one HTTP request on a kept-alive connection, with a timeout per attempt and a
 deadline over all of them. Connection failures and 5xx answers (the server overloaded,
@@ -82,6 +84,11 @@ class PolicyClient:
         if unknown:
             raise ValueError(f"observation has inputs {unknown} the policy does not take; it takes "
                              f"{ {k: list(v.shape) for k, v in spec.inputs.items()} }")
+        for name, value in observation.items():
+            if spec.inputs[name].dtype == "uint8" and np.asarray(value).dtype != np.uint8:
+                raise ValueError(f"observation[{name!r}] is a camera input: send uint8 frames (0-255), got "
+                                 f"{np.asarray(value).dtype} (float frames in [0, 1]: (frames * 255).round()"
+                                 f".astype(np.uint8))")
         body = encode_request({k: np.asarray(v, dtype=spec.inputs[k].dtype) for k, v in observation.items()}, seed)
         status, payload = self._call("POST", "/v1/act", body)
         action, self.last_timings = decode_action(payload)

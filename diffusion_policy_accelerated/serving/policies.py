@@ -24,8 +24,11 @@ from ..sampling.picard import Picard
 from .protocol import ActRequest, PolicySpec, TensorSpec, non_finite_rows
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# What a request's rows are turned into: {input name: [bucket, *shape] float32 tensor on the
-# policy's device}, the noise [steps + 1, bucket, *trajectory shape] -> actions [bucket, Ta, Da].
+# The dtypes of served inputs: float32 observations, uint8 camera frames.
+INPUT_DTYPES = {"float32": torch.float32, "uint8": torch.uint8}
+# What a request's rows are turned into: {input name: [bucket, *shape] tensor of the input's
+# dtype on the policy's device}, the noise [steps + 1, bucket, *trajectory shape] -> actions
+# [bucket, Ta, Da].
 Predict = Callable[[Dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
@@ -33,8 +36,8 @@ Predict = Callable[[Dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 class PolicySource:
     """Where a served policy comes from. `kind`: 'demo' (the demo's lowdim Push-T U-Net with
     random weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
-    Diffusion Policy workspace .ckpt: raw lowdim observations in, or an image policy's encoder
-    features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
+    Diffusion Policy workspace .ckpt: raw lowdim observations in, an image policy's camera
+    frames (uint8) and low-dim observations, or a hybrid image policy's encoder features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
     condition in, normalised actions out). `steps` overrides the number of denoising steps;
     `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
     Picard iteration with that window and `parallel_tolerance` (sampling/picard.py);
@@ -123,7 +126,7 @@ class ServedPolicy:
         """Run every bucket once, capturing its CUDA graph (on CUDA) before the first request."""
         for i, bucket in enumerate(self.buckets):
             start = time.perf_counter()
-            self._run({name: np.zeros((bucket,) + spec.shape, np.float32) for name, spec in self.inputs.items()},
+            self._run({name: np.zeros((bucket,) + spec.shape, spec.dtype) for name, spec in self.inputs.items()},
                       [(bucket, None)])
             log(f"dpa serve: batch {bucket} ready ({i + 1}/{len(self.buckets)}, "
                 f"{time.perf_counter() - start:.1f} s)")
@@ -176,7 +179,7 @@ class ServedPolicy:
         bucket = self.bucket(rows)
         batch = {}
         for name, spec in self.inputs.items():
-            padded = torch.zeros((bucket,) + spec.shape)
+            padded = torch.zeros((bucket,) + spec.shape, dtype=INPUT_DTYPES[spec.dtype])
             padded[:rows] = torch.from_numpy(inputs[name])
             batch[name] = padded.to(self.device, non_blocking=True)
         noise = torch.randn((self.num_steps + 1, bucket) + self.trajectory_shape, device=self.device,
@@ -214,7 +217,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     if source.kind == "demo":
         return _demo_policy(source, device, dtype, max_rows, info, seed, guard)
     if source.kind == "checkpoint":
-        from ..adapters.checkpoint import LOWDIM_POLICY, load_checkpoint
+        from ..adapters.checkpoint import IMAGE_POLICY, LOWDIM_POLICY, load_checkpoint
 
         ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
                                parallel=source.parallel(), check_finite=False)
@@ -230,6 +233,17 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                                 inputs={"obs": TensorSpec((ckpt.n_obs_steps, ckpt.obs_dim))},
                                 predict=lambda x, noise: ckpt.predict_action({"obs": x["obs"]}, noise=noise)["action"],
                                 **common)
+        why_features = "its robomimic encoder is not rebuilt"
+        if ckpt.policy_class == IMAGE_POLICY:
+            try:
+                ckpt.obs_encoder  # rebuilt here, or why not
+            except ValueError as error:
+                why_features = f"its observation encoder cannot be rebuilt: {error}"
+            else:
+                return _frames_policy(ckpt, source, common)
+        print(f"dpa serve: {ckpt.policy_class} is served from encoder features, not camera frames: {why_features}",
+              file=sys.stderr, flush=True)
+        info.update(features_only=why_features)
         if ckpt.obs_as_global_cond:
             return ServedPolicy(name=f"{ckpt.policy_class} ({source.path}), encoder features",
                                 inputs={"global_cond": TensorSpec((ckpt.unet_config["global_cond_dim"],))},
@@ -245,12 +259,44 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                                      parallel=source.parallel(), check_finite=False)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
                 normalised=True)
+    features = policy.config.get("input_features")
+    cameras = sorted(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL") \
+        if isinstance(features, dict) else []
+    if cameras:
+        # LeRobot's own encoder and processors are not run by the server (yet): the client sends
+        # the global condition LeRobot's model builds from its normalised frames and state.
+        info.update(cameras_not_served=cameras)
+        print(f"dpa serve: this LeRobot policy's cameras {cameras} are not served as frames: send LeRobot's "
+              f"normalised global condition (its encoder's features and the state)", file=sys.stderr, flush=True)
     return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), normalised global condition",
                         inputs={"global_cond": TensorSpec((policy.global_cond_dim,))},
                         action_shape=(policy.n_action_steps, policy.action_dim),
                         trajectory_shape=(policy.horizon, policy.action_dim), num_steps=policy.sampler.num_steps,
                         device=device, max_rows=max_rows, info=info, seed=seed, **guard,
                         predict=lambda x, noise: policy.predict_action_chunk(x["global_cond"], noise=noise))
+
+
+def _frames_policy(ckpt, source: PolicySource, common: Dict[str, object]) -> ServedPolicy:
+    """A DiffusionUnetImagePolicy checkpoint served from camera frames (see the module doc)."""
+    cameras = ckpt.camera_keys
+    To = ckpt.n_obs_steps
+    inputs = {key: TensorSpec((To,) + shape, "uint8" if key in cameras else "float32")
+              for key, shape in ckpt.obs_shapes.items()}
+
+    def predict(x: Dict[str, torch.Tensor], noise: torch.Tensor) -> torch.Tensor:
+        obs = {key: value.float() / 255 if key in cameras else value for key, value in x.items()}
+        return ckpt.predict_action(obs, noise=noise)["action"]
+
+    if ckpt.device.type == "cuda":
+        from ..sampling.policy_graph import GraphedPolicyCall
+
+        # Frames to floats, normalisation, the encoder and the denoising loop: one graph per bucket.
+        # (eval: a module in training mode runs eagerly)
+        owner = torch.nn.ModuleDict({"obs_encoder": ckpt.obs_encoder, "unet": ckpt.unet}).eval()
+        predict = GraphedPolicyCall(predict, owner, lambda: ckpt.sampler, "the served image policy's predict_action")
+    common["info"].update(cameras=cameras, frames="uint8 [n_obs_steps, C, H, W], 0-255")
+    return ServedPolicy(name=f"{ckpt.policy_class} ({source.path}), {len(cameras)} camera"
+                             f"{'s' if len(cameras) > 1 else ''}", inputs=inputs, predict=predict, **common)
 
 
 def _demo_policy(source: PolicySource, device: torch.device, dtype: torch.dtype, max_rows: int,

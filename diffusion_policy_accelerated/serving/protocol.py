@@ -6,7 +6,8 @@ safetensors body is typed binary tensors (a JSON header of dtype, shape and offs
 the raw bytes) that every language reads and that cannot carry code. Nothing a client sends
 is ever unpickled.
 
-    GET  /v1/spec   JSON: the inputs (name -> shape of ONE observation, dtype), the action's
+    GET  /v1/spec   JSON: the inputs (name -> shape of ONE observation, dtype: float32, or
+                    uint8 for camera frames [n_obs_steps, C, H, W]), the action's
                     shape, max_rows, max_request_bytes and the policy's settings.
     POST /v1/act    body: safetensors of exactly the spec's inputs, each either one
                     observation (the spec's shape) or n of them ([n, *shape], the same n for
@@ -37,6 +38,9 @@ import numpy as np
 PROTOCOL = "dpa-act/1"
 CONTENT_TYPE = "application/vnd.dpa.safetensors"
 SEED_KEY = "seed"
+# What a refusal of a camera input adds.
+FRAMES_HINT = (" (a camera input: uint8 frames, 0-255, [n_obs_steps, C, H, W] as GET /v1/spec says; "
+               "resize on the robot)")
 # safetensors' header: an 8-byte little-endian length, then that much JSON.
 _HEADER_LENGTH = struct.Struct("<Q")
 
@@ -75,6 +79,13 @@ class PolicySpec:
     action: TensorSpec
     max_rows: int
     info: Dict[str, object] = field(default_factory=dict)
+
+    @property
+    def too_large_hint(self) -> str:
+        """What a 413 adds where the policy takes camera frames (float frames are 4x larger)."""
+        cameras = [name for name, spec in self.inputs.items() if spec.dtype == "uint8"]
+        return (f" (camera inputs {cameras} are uint8 frames, 0-255, 1 byte per value: float frames are 4 times "
+                f"larger)") if cameras else ""
 
     @property
     def max_request_bytes(self) -> int:
@@ -145,7 +156,7 @@ def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) 
     With `check_finite`, an input holding NaN or Inf is refused with 422."""
     if len(body) > spec.max_request_bytes:
         raise RequestError(413, f"the body has {len(body)} bytes, more than the {spec.max_request_bytes} "
-                                f"that {spec.max_rows} observations take")
+                                f"that {spec.max_rows} observations take{spec.too_large_hint}")
     tensors, metadata = decode_tensors(body)
     missing, extra = sorted(set(spec.inputs) - set(tensors)), sorted(set(tensors) - set(spec.inputs))
     if missing or extra:
@@ -156,19 +167,21 @@ def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) 
     for name, expected in spec.inputs.items():
         array = tensors[name]
         if array.dtype != np.dtype(expected.dtype):
-            raise RequestError(400, f"input {name!r} must be {expected.dtype}, got {array.dtype}")
+            raise RequestError(400, f"input {name!r} must be {expected.dtype}, got {array.dtype}"
+                                    + (FRAMES_HINT if expected.dtype == "uint8" else ""))
         shape = tuple(array.shape)
         this_single = shape == expected.shape
         if not this_single and not (len(shape) == len(expected.shape) + 1 and shape[1:] == expected.shape):
             raise RequestError(400, f"input {name!r} must be {list(expected.shape)} (one observation) or "
-                                    f"[n, {', '.join(map(str, expected.shape))}], got {list(shape)}")
+                                    f"[n, {', '.join(map(str, expected.shape))}], got {list(shape)}"
+                                    + (FRAMES_HINT if expected.dtype == "uint8" else ""))
         this_rows = 1 if this_single else shape[0]
         if rows is not None and (this_rows, this_single) != (rows, single):
             raise RequestError(400, f"input {name!r} holds {'one observation' if this_single else this_rows} "
                                     f"but an earlier input {'one observation' if single else rows}: every input "
                                     f"needs the same leading dimension")
         rows, single = this_rows, this_single
-        if check_finite and not np.isfinite(array).all():
+        if check_finite and array.dtype.kind == "f" and not np.isfinite(array).all():
             raise RequestError(422, f"input {name!r} has NaN or infinite values{non_finite_rows(array, single)}: "
                                     f"no actions computed (dpa serve --no-check-finite lets them through)")
     if not 1 <= rows <= spec.max_rows:

@@ -64,7 +64,7 @@ class PolicyDeployment:
                 if declared.isdigit() and int(declared) > self.policy.spec.max_request_bytes:
                     raise RequestError(413, f"the body has {declared} bytes, more than the "
                                             f"{self.policy.spec.max_request_bytes} that {self.policy.max_rows} "
-                                            f"observations take")
+                                            f"observations take{self.policy.spec.too_large_hint}")
                 parsed = parse_act_request(await request.body(), self.policy.spec, self.policy.check_finite)
             except RequestError as error:
                 return _json(error.status, {"error": error.message})

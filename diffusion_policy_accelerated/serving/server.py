@@ -155,7 +155,7 @@ class PolicyServer:
             return _error(422, str(error))
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"the body is larger than the {self.policy.spec.max_request_bytes} bytes that "
-                               f"{self.policy.max_rows} observations take")
+                               f"{self.policy.max_rows} observations take{self.policy.spec.too_large_hint}")
         except Overloaded as error:
             return _error(503, str(error))
         except (ClientGone, ConnectionError):

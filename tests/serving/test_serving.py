@@ -117,6 +117,34 @@ def test_malformed_requests_are_named(body, status, text):
     assert text in caught.value.message
 
 
+IMAGE_SPEC = protocol.PolicySpec({"camera_0": TensorSpec((2, 3, 16, 20), "uint8"), "pose": TensorSpec((2, 2))},
+                                 TensorSpec((8, 2)), max_rows=2)
+
+
+def frames(rows=None, **change):
+    lead = () if rows is None else (rows,)
+    good = {"camera_0": np.zeros(lead + (2, 3, 16, 20), np.uint8), "pose": np.zeros(lead + (2, 2), np.float32)}
+    return {k: v for k, v in {**good, **change}.items() if v is not None}
+
+
+@pytest.mark.parametrize("body,status,text", [
+    (body_of(frames(camera_0=np.zeros((2, 3, 16, 20), np.float32))), 400,
+     "input 'camera_0' must be uint8, got float32 (a camera input: uint8 frames, 0-255, [n_obs_steps, C, H, W]"),
+    (body_of(frames(camera_0=np.zeros((2, 3, 20, 16), np.uint8))), 400,
+     "input 'camera_0' must be [2, 3, 16, 20] (one observation) or [n, 2, 3, 16, 20], got [2, 3, 20, 16] (a camera input"),
+    (body_of(frames(camera_0=np.zeros((2, 16, 20, 3), np.uint8))), 400, "input 'camera_0' must be [2, 3, 16, 20]"),
+    (body_of(frames(camera_0=np.zeros((1, 3, 16, 20), np.uint8))), 400, "input 'camera_0' must be [2, 3, 16, 20]"),
+    (body_of(frames(camera_0=None)), 400, "missing ['camera_0']"),
+    (body_of(frames(camera_1=np.zeros((2, 3, 16, 20), np.uint8))), 400, "unexpected ['camera_1']"),
+    (body_of(frames(camera_0=np.zeros((2, 2, 3, 16, 20), np.float32))), 413,
+     "(camera inputs ['camera_0'] are uint8 frames, 0-255, 1 byte per value: float frames are 4 times larger)"),
+])
+def test_malformed_frames_are_named(body, status, text):
+    with pytest.raises(RequestError) as caught:
+        protocol.parse_act_request(body, IMAGE_SPEC)
+    assert (caught.value.status, text in caught.value.message) == (status, True), caught.value.message
+
+
 @pytest.mark.parametrize("rows", [None, 1, 3, 4])
 def test_well_formed_requests(rows):
     request = protocol.parse_act_request(body_of(good(rows), {"seed": "7"}), SPEC)
