@@ -12,6 +12,8 @@ generic path (the transformer as it is, in the graph with this package's denoise
   whole, NCHW   accelerate(policy, encoder_channels_last=False): normalisation, encoder, loop
                 and action slicing in one replay
   whole graph   accelerate(policy): the same, the encoder's weights channels-last (image policies)
+  whole, unchecked
+                the whole graph without the non-finite guard (check_finite=False): the guard's cost
   + fp16 enc, + bf16 enc
                 the whole graph with encoder_dtype=torch.float16 / bfloat16
   sampler       the accelerated sampler alone, on the global condition computed beforehand:
@@ -129,6 +131,7 @@ def main():
             if POLICIES[name]:
                 variants["whole, NCHW"] = dict(encoder_channels_last=False)
             variants["whole graph"] = {}
+            variants["whole, unchecked"] = dict(check_finite=False)
             if POLICIES[name]:
                 variants.update({"+ fp16 enc": dict(encoder_dtype=torch.float16),
                                  "+ bf16 enc": dict(encoder_dtype=torch.bfloat16)})
