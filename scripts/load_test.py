@@ -3,7 +3,7 @@
     python scripts/load_test.py --dtype bfloat16                       # demo lowdim U-Net, DDPM-100
     python scripts/load_test.py --clients 1 8 64 --malformed-every 5   # every 5th request malformed
     python scripts/load_test.py --ray-replicas 2 --kill-replica        # through Ray Serve, one replica killed
-    python scripts/load_test.py --image-cameras 1 3 --clients 1 4      # an image policy from camera frames
+    python -m scripts.load_test --image-cameras 1 3 --clients 1 4      # an image policy from camera frames
 
 Starts `dpa serve` (or `dpa serve --ray-replicas N`) as a process of its own on 127.0.0.1,
 waits for its warm-up, then for each client count runs that many client processes (robots
@@ -18,10 +18,12 @@ retries). Every run is bounded (fixed request counts, timeouts); the server is s
 end. Writes a JSON and, with `--plot`, a figure.
 
 `--image-cameras 1 3` serves, instead, a Diffusion Policy image checkpoint (random weights:
-the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`) with 1, then 3,
-cameras, each sent as uint8 frames [n_obs_steps, C, H, W]; its rows add the bytes of one
-request. That checkpoint is built with the tests' helpers (tests/support/dp_image_checkpoint.py),
-so it runs from the repository's root.
+the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`, and the tests'
+small U-Net, so that the rows show what frames, the protocol and the encoders cost) with 1,
+then 3, cameras, each sent as uint8 frames [n_obs_steps, C, H, W]; its rows add the bytes of
+one request. That checkpoint is built with the tests' helpers
+(tests/support/dp_image_checkpoint.py), so it runs from the repository's root as a module
+(`python -m scripts.load_test`).
 """
 import argparse
 import concurrent.futures
@@ -181,8 +183,11 @@ def image_checkpoint(folder, cameras, args):
     random weights (the tests' helper), its path."""
     import pathlib
 
-    sys.path.insert(0, os.getcwd())
-    from tests.support.dp_image_checkpoint import make_image_checkpoint
+    try:
+        from tests.support.dp_image_checkpoint import make_image_checkpoint
+    except ModuleNotFoundError:
+        sys.exit("--image-cameras builds its checkpoint with the tests' helpers: run it from the repository's root "
+                 "as a module, python -m scripts.load_test --image-cameras ...")
 
     c, h, w = args.image_size
     crop = (h - h // 8, w - w // 8)  # DP's real-robot ratio (216 x 288 of 240 x 320)
