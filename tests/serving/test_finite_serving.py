@@ -18,7 +18,7 @@ from diffusion_policy_accelerated.serving.client import PolicyClient, RequestRej
 from diffusion_policy_accelerated.serving.policies import PolicySource, load_policy  # noqa: E402
 from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E402
 
-from tests.serving.test_serving import COND, TOLERANCE, act_one, act_request, observation, raw_get, raw_post  # noqa: E402
+from tests.serving.test_serving import TOLERANCE, act_one, act_request, observation, raw_get, raw_post  # noqa: E402
 
 SOURCE = PolicySource(device="cpu", scheduler="ddim", steps=2)
 # Finite, but past what the demo U-Net's FiLM products hold in float32: its actions overflow
