@@ -17,7 +17,12 @@ def _source_arguments(parser: argparse.ArgumentParser) -> None:
                       "pickle, so only one you trust): lowdim policies take raw observations, image policies "
                       "their encoder's features")
     what.add_argument("--lerobot", metavar="FOLDER", help="a LeRobot DiffusionPolicy folder (config.json, "
-                      "model.safetensors): LeRobot's normalised global condition in, normalised actions out")
+                      "model.safetensors): LeRobot's normalised global condition in, normalised actions out; a "
+                      "folder with cameras (and its processors): camera frames and state in, unnormalised actions "
+                      "out, with LeRobot installed")
+    parser.add_argument("--lerobot-global-cond", action="store_true", help="serve a --lerobot folder with cameras "
+                        "from LeRobot's normalised global condition (the client runs LeRobot's encoder and "
+                        "preprocessor) instead of camera frames; normalised actions out")
     parser.add_argument("--device", help="default: cuda where there is one, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="the U-Net's weights (inputs and actions stay float32)")
@@ -44,7 +49,8 @@ def source_from_args(args):
                   ("lerobot", args.lerobot) if args.lerobot else ("demo", None))
     return PolicySource(kind=kind, path=path, device=args.device, dtype=args.dtype, steps=args.steps,
                         scheduler=args.scheduler, parallel_window=args.parallel_window,
-                        parallel_tolerance=args.parallel_tolerance, check_finite=args.check_finite)
+                        parallel_tolerance=args.parallel_tolerance, check_finite=args.check_finite,
+                        lerobot_global_cond=args.lerobot_global_cond)
 
 
 def _serve_defaults() -> dict:
@@ -108,6 +114,7 @@ def serve_main(argv) -> int:
     if args.ray_replicas:
         return _serve_on_ray(args)
     from .serving.policies import load_policy, policy_device
+    from .serving.lerobot_policy import LeRobotMissing
     from .serving.server import PolicyServer, serve
 
     source = source_from_args(args)
@@ -116,7 +123,11 @@ def serve_main(argv) -> int:
     # lone client alike; a CPU's cores are busy with one batch already.
     count = args.instances or (2 if policy_device(source).type == "cuda" else 1)
     # Each instance draws its own noise for rows without a seed.
-    instances = [load_policy(source, max_rows=args.max_batch, seed=i) for i in range(count)]
+    try:
+        instances = [load_policy(source, max_rows=args.max_batch, seed=i) for i in range(count)]
+    except LeRobotMissing as error:
+        print(f"dpa serve: {error}", file=sys.stderr, flush=True)
+        return 1
     options = {name: default if getattr(args, name) is None else getattr(args, name)
                for name, default in defaults.items()}
     server = PolicyServer(instances, host=args.host, port=args.port, max_wait_ms=args.max_wait_ms,

@@ -38,7 +38,9 @@ class PolicySource:
     random weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
     Diffusion Policy workspace .ckpt: raw lowdim observations in, an image policy's camera
     frames (uint8) and low-dim observations, or a hybrid image policy's encoder features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
-    condition in, normalised actions out). `steps` overrides the number of denoising steps;
+    condition in, normalised actions out; a folder with cameras: camera frames (uint8) and
+    state in, unnormalised actions out, with LeRobot installed (lerobot_policy.py), or, with
+    `lerobot_global_cond`, the global condition as without cameras). `steps` overrides the number of denoising steps;
     `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
     Picard iteration with that window and `parallel_tolerance` (sampling/picard.py);
     `check_finite`: the server's non-finite guard (ServedPolicy)."""
@@ -51,6 +53,7 @@ class PolicySource:
     parallel_window: Optional[int] = None
     parallel_tolerance: float = 0.1
     check_finite: bool = True
+    lerobot_global_cond: bool = False
 
     def __post_init__(self):
         if self.kind not in ("demo", "checkpoint", "lerobot"):
@@ -66,6 +69,10 @@ class PolicySource:
             raise ValueError(f"steps must be a positive integer or None, got {self.steps!r}")
         if not isinstance(self.check_finite, bool):
             raise ValueError(f"check_finite must be a bool, got {self.check_finite!r}")
+        if not isinstance(self.lerobot_global_cond, bool):
+            raise ValueError(f"lerobot_global_cond must be a bool, got {self.lerobot_global_cond!r}")
+        if self.lerobot_global_cond and self.kind != "lerobot":
+            raise ValueError(f"lerobot_global_cond is for a 'lerobot' source, not a {self.kind!r} one")
         self.parallel()  # checks the window and tolerance
 
     def parallel(self) -> Optional[Picard]:
@@ -254,7 +261,11 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                             predict=lambda x, noise: ckpt.predict_action_from_features(
                                 obs_features=x["obs_features"], noise=noise), **common)
     from ..adapters.lerobot import load_lerobot_pretrained
+    from .lerobot_policy import lerobot_cameras, lerobot_frames_policy
 
+    cameras = lerobot_cameras(source.path)
+    if cameras and not source.lerobot_global_cond:
+        return lerobot_frames_policy(source, cameras, device, dtype, max_rows, info, seed, guard)
     policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
                                      parallel=source.parallel(), check_finite=False)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
@@ -263,11 +274,12 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     cameras = sorted(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL") \
         if isinstance(features, dict) else []
     if cameras:
-        # LeRobot's own encoder and processors are not run by the server (yet): the client sends
-        # the global condition LeRobot's model builds from its normalised frames and state.
+        # Asked for (lerobot_global_cond): the client runs LeRobot's encoder and preprocessor and
+        # sends the global condition LeRobot's model builds from its normalised frames and state.
         info.update(cameras_not_served=cameras)
-        print(f"dpa serve: this LeRobot policy's cameras {cameras} are not served as frames: send LeRobot's "
-              f"normalised global condition (its encoder's features and the state)", file=sys.stderr, flush=True)
+        print(f"dpa serve: this LeRobot policy's cameras {cameras} are not served as frames (--lerobot-global-cond): "
+              f"send LeRobot's normalised global condition (its encoder's features and the state)", file=sys.stderr,
+              flush=True)
     return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), normalised global condition",
                         inputs={"global_cond": TensorSpec((policy.global_cond_dim,))},
                         action_shape=(policy.n_action_steps, policy.action_dim),
