@@ -6,6 +6,7 @@
     action = client.act({"obs": obs_batch})    # [n, n_action_steps, action_dim] for n robots
     action = client.act({"camera_0": frames, "robot_eef_pose": pose})   # an image policy:
                                                # frames uint8 [n_obs_steps, C, H, W]
+    action = client.act(observation, jpeg_quality=90)   # the cameras sent as JPEG (needs torchvision)
 
 Each call is one HTTP request on a kept-alive connection, with a timeout per attempt and a
 deadline over all of them. Connection failures and 5xx answers (the server overloaded,
@@ -19,7 +20,7 @@ import json
 import random
 import time
 import urllib.parse
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -75,10 +76,13 @@ class PolicyClient:
             self._spec = PolicySpec.from_json(json.loads(self._call("GET", "/v1/spec")[1]))
         return self._spec
 
-    def act(self, observation: Mapping[str, np.ndarray], seed: Optional[int] = None) -> np.ndarray:
+    def act(self, observation: Mapping[str, np.ndarray], seed: Optional[int] = None,
+            jpeg_quality: Union[None, int, Mapping[str, int]] = None) -> np.ndarray:
         """The action chunk for one observation (each input of the spec's shape), or the
         chunks [n, ...] for n observations ([n, *shape] each). Inputs are converted to the
-        spec's dtype; `seed` fixes the noise. The server's timings land in `last_timings`."""
+        spec's dtype; `seed` fixes the noise. `jpeg_quality` (1-100) sends every camera input,
+        or those it maps to a quality, as JPEG (torchvision's encode_jpeg; the server decodes
+        them): fewer bytes, lossy. The server's timings land in `last_timings`."""
         spec = self.spec
         unknown = sorted(set(observation) - set(spec.inputs))
         if unknown:
@@ -89,7 +93,22 @@ class PolicyClient:
                 raise ValueError(f"observation[{name!r}] is a camera input: send uint8 frames (0-255), got "
                                  f"{np.asarray(value).dtype} (float frames in [0, 1]: (frames * 255).round()"
                                  f".astype(np.uint8))")
-        body = encode_request({k: np.asarray(v, dtype=spec.inputs[k].dtype) for k, v in observation.items()}, seed)
+        cameras = [name for name, s in spec.inputs.items() if s.dtype == "uint8" and len(s.shape) == 4]
+        if isinstance(jpeg_quality, Mapping):
+            wrong = sorted(set(jpeg_quality) - set(cameras))
+            if wrong:
+                raise ValueError(f"jpeg_quality names {wrong}, which are not camera inputs; those are {cameras}")
+            qualities = dict(jpeg_quality)
+        else:
+            qualities = {} if jpeg_quality is None else {name: jpeg_quality for name in cameras if name in observation}
+        jpeg = None
+        if qualities:
+            from .jpeg import encode_jpeg_frames
+
+            jpeg = {name: encode_jpeg_frames(observation[name], quality, name) for name, quality in qualities.items()
+                    if name in observation}
+        body = encode_request({k: np.asarray(v, dtype=spec.inputs[k].dtype) for k, v in observation.items()
+                               if not jpeg or k not in jpeg}, seed, jpeg)
         status, payload = self._call("POST", "/v1/act", body)
         action, self.last_timings = decode_action(payload)
         return action

@@ -12,7 +12,12 @@ is ever unpickled.
     POST /v1/act    body: safetensors of exactly the spec's inputs, each either one
                     observation (the spec's shape) or n of them ([n, *shape], the same n for
                     every input: a simulator's environments in one request); optional
-                    metadata {"seed": "<int>"} fixes the noise of those n rows.
+                    metadata {"seed": "<int>"} fixes the noise of those n rows. A camera
+                    input may come as JPEG instead: its tensor then holds the frames' JPEG
+                    files end to end (uint8, 1-D) and metadata {"jpeg": JSON {input: lengths}}
+                    gives each file's byte length, nested like the frames ([n_obs_steps], or
+                    [n, n_obs_steps]); the server decodes them (jpeg.py) and checks each
+                    frame's [C, H, W] against the spec.
                     200: safetensors {"action": [Ta, Da] or [n, Ta, Da]}, metadata with the
                     server's timings (also in the Server-Timing header).
                     4xx/5xx: JSON {"error": "..."}; 503 (overloaded, warming up, shutting
@@ -31,13 +36,14 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 PROTOCOL = "dpa-act/1"
 CONTENT_TYPE = "application/vnd.dpa.safetensors"
 SEED_KEY = "seed"
+JPEG_KEY = "jpeg"
 # What a refusal of a camera input adds.
 FRAMES_HINT = (" (a camera input: uint8 frames, 0-255, [n_obs_steps, C, H, W] as GET /v1/spec says; "
                "resize on the robot)")
@@ -112,11 +118,13 @@ class PolicySpec:
 class ActRequest:
     """A decoded, validated POST /v1/act: `inputs` are [rows, *shape] arrays; `single` says
     the client sent one observation without the leading dimension (and gets its action
-    chunk without one)."""
+    chunk without one). `jpeg`: the inputs still to be decoded from JPEG (jpeg.py), name ->
+    (the files end to end, their lengths [rows, n_obs_steps]); they are not in `inputs` yet."""
     inputs: Dict[str, np.ndarray]
     rows: int
     single: bool
     seed: Optional[int] = None
+    jpeg: Dict[str, Tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def encode_tensors(tensors: Mapping[str, np.ndarray], metadata: Optional[Mapping[str, str]] = None) -> bytes:
@@ -163,19 +171,24 @@ def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) 
         raise RequestError(400, f"the inputs must be exactly {sorted(spec.inputs)}: "
                                 + ", ".join(filter(None, [missing and f"missing {missing}",
                                                           extra and f"unexpected {extra}"])))
+    jpeg = _jpeg_lengths(metadata, tensors, spec)
     rows, single = None, None
     for name, expected in spec.inputs.items():
         array = tensors[name]
-        if array.dtype != np.dtype(expected.dtype):
+        if name in jpeg:
+            this_single = jpeg[name].ndim == 1
+            this_rows = 1 if this_single else jpeg[name].shape[0]
+        elif array.dtype != np.dtype(expected.dtype):
             raise RequestError(400, f"input {name!r} must be {expected.dtype}, got {array.dtype}"
                                     + (FRAMES_HINT if expected.dtype == "uint8" else ""))
-        shape = tuple(array.shape)
-        this_single = shape == expected.shape
-        if not this_single and not (len(shape) == len(expected.shape) + 1 and shape[1:] == expected.shape):
-            raise RequestError(400, f"input {name!r} must be {list(expected.shape)} (one observation) or "
-                                    f"[n, {', '.join(map(str, expected.shape))}], got {list(shape)}"
-                                    + (FRAMES_HINT if expected.dtype == "uint8" else ""))
-        this_rows = 1 if this_single else shape[0]
+        else:
+            shape = tuple(array.shape)
+            this_single = shape == expected.shape
+            if not this_single and not (len(shape) == len(expected.shape) + 1 and shape[1:] == expected.shape):
+                raise RequestError(400, f"input {name!r} must be {list(expected.shape)} (one observation) or "
+                                        f"[n, {', '.join(map(str, expected.shape))}], got {list(shape)}"
+                                        + (FRAMES_HINT if expected.dtype == "uint8" else ""))
+            this_rows = 1 if this_single else shape[0]
         if rows is not None and (this_rows, this_single) != (rows, single):
             raise RequestError(400, f"input {name!r} holds {'one observation' if this_single else this_rows} "
                                     f"but an earlier input {'one observation' if single else rows}: every input "
@@ -186,9 +199,9 @@ def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) 
                                     f"no actions computed (dpa serve --no-check-finite lets them through)")
     if not 1 <= rows <= spec.max_rows:
         raise RequestError(400, f"a request holds 1 to {spec.max_rows} observations, got {rows}")
-    unknown = sorted(set(metadata) - {SEED_KEY})
+    unknown = sorted(set(metadata) - {SEED_KEY, JPEG_KEY})
     if unknown:
-        raise RequestError(400, f"unknown metadata {unknown}; the only key is {SEED_KEY!r}")
+        raise RequestError(400, f"unknown metadata {unknown}; the keys are {SEED_KEY!r} and {JPEG_KEY!r}")
     seed = None
     if SEED_KEY in metadata:
         try:
@@ -198,12 +211,78 @@ def parse_act_request(body: bytes, spec: PolicySpec, check_finite: bool = True) 
         if not 0 <= seed < 2 ** 63:
             raise RequestError(400, f"metadata {SEED_KEY!r} must be an integer in [0, 2**63), got "
                                     f"{metadata[SEED_KEY]!r}")
-    inputs = {name: tensors[name].reshape((rows,) + spec.inputs[name].shape) for name in spec.inputs}
-    return ActRequest(inputs, rows, single, seed)
+    inputs = {name: tensors[name].reshape((rows,) + spec.inputs[name].shape) for name in spec.inputs
+              if name not in jpeg}
+    return ActRequest(inputs, rows, single, seed,
+                      {name: (tensors[name], lengths.reshape(rows, -1)) for name, lengths in jpeg.items()})
 
 
-def encode_request(inputs: Mapping[str, np.ndarray], seed: Optional[int] = None) -> bytes:
-    return encode_tensors(inputs, None if seed is None else {SEED_KEY: str(int(seed))})
+def _jpeg_lengths(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray],
+                  spec: PolicySpec) -> Dict[str, np.ndarray]:
+    """The JPEG inputs' file lengths ([n_obs_steps] or [n, n_obs_steps]), checked against their
+    tensors and the spec; RequestError(400) naming the input."""
+    if JPEG_KEY not in metadata:
+        return {}
+    try:
+        declared = json.loads(metadata[JPEG_KEY])
+    except ValueError:
+        declared = None
+    if not isinstance(declared, dict):
+        raise RequestError(400, f"metadata {JPEG_KEY!r} must be a JSON object {{input: lengths}}, got "
+                                f"{metadata[JPEG_KEY][:100]!r}")
+    out = {}
+    for name, lengths in declared.items():
+        expected = spec.inputs.get(name)
+        if expected is None or expected.dtype != "uint8" or len(expected.shape) != 4:
+            raise RequestError(400, f"input {name!r} is sent as JPEG, but only camera inputs (uint8 [n_obs_steps, "
+                                    f"C, H, W]) can be: {[k for k, v in spec.inputs.items() if v.dtype == 'uint8']}")
+        try:
+            lengths = np.array(lengths, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):
+            lengths = np.zeros((0,), np.int64)
+        steps = expected.shape[0]
+        if not (lengths.shape == (steps,) or (lengths.ndim == 2 and lengths.shape[1] == steps)) or \
+                not (lengths > 0).all() or lengths.size == 0:
+            raise RequestError(400, f"input {name!r}: metadata {JPEG_KEY!r} must give a positive byte length per "
+                                    f"JPEG frame, [{steps}] for one observation or [n, {steps}], got "
+                                    f"{str(declared[name])[:100]}")
+        array = tensors[name]
+        if array.dtype != np.uint8 or array.ndim != 1 or array.size != int(lengths.sum()):
+            raise RequestError(400, f"input {name!r} is sent as JPEG: its tensor must be the {lengths.size} files "
+                                    f"end to end, uint8 [{int(lengths.sum())}] (the lengths' sum), got "
+                                    f"{array.dtype} {list(array.shape)}")
+        out[name] = lengths
+    return out
+
+
+# JPEG files as a client gives them: bytes, in lists nested like the frames' leading dimensions.
+JpegFiles = Union[bytes, Sequence[Any]]
+
+
+def encode_request(inputs: Mapping[str, np.ndarray], seed: Optional[int] = None,
+                   jpeg: Optional[Mapping[str, JpegFiles]] = None) -> bytes:
+    """A POST /v1/act body. `jpeg`: camera inputs sent as JPEG instead, name -> the files (bytes)
+    nested like the frames: [n_obs_steps] of them, or [n][n_obs_steps]."""
+    metadata = {} if seed is None else {SEED_KEY: str(int(seed))}
+    tensors = dict(inputs)
+    if jpeg:
+        lengths = {}
+        for name, files in jpeg.items():
+            flat: List[bytes] = []
+            lengths[name] = _lengths(files, flat, name)
+            tensors[name] = np.frombuffer(b"".join(flat), np.uint8)
+        metadata[JPEG_KEY] = json.dumps(lengths, separators=(",", ":"))
+    return encode_tensors(tensors, metadata or None)
+
+
+def _lengths(files: JpegFiles, flat: List[bytes], name: str):
+    if isinstance(files, (bytes, bytearray, memoryview)):
+        flat.append(bytes(files))
+        return len(flat[-1])
+    if isinstance(files, (str, np.ndarray)) or not isinstance(files, Sequence):
+        raise ValueError(f"jpeg[{name!r}] must be JPEG files (bytes) in lists nested like the frames, got "
+                         f"{type(files).__name__}")
+    return [_lengths(f, flat, name) for f in files]
 
 
 def encode_action(action: np.ndarray, timings: Mapping[str, float]) -> bytes:

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from ..sampling.finite import NonFiniteError
 from .policies import PolicySource, load_policy
+from .jpeg import decode_jpeg_inputs
 from .protocol import CONTENT_TYPE, ActRequest, RequestError, encode_action, parse_act_request, server_timing_header
 
 
@@ -66,6 +67,9 @@ class PolicyDeployment:
                                             f"{self.policy.spec.max_request_bytes} that {self.policy.max_rows} "
                                             f"observations take{self.policy.spec.too_large_hint}")
                 parsed = parse_act_request(await request.body(), self.policy.spec, self.policy.check_finite)
+                if parsed.jpeg:
+                    parsed = await asyncio.get_running_loop().run_in_executor(None, decode_jpeg_inputs, parsed,
+                                                                               self.policy.spec)
             except RequestError as error:
                 return _json(error.status, {"error": error.message})
             action, timings = await self.act_batch(parsed)

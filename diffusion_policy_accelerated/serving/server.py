@@ -23,6 +23,7 @@ else:  # aiohttp's dependency there
     from async_timeout import timeout as _timeout
 
 from ..sampling.finite import NonFiniteError
+from .jpeg import decode_jpeg_inputs
 from .batcher import DRAIN_TIMEOUT_S, Batcher, ClientGone, Overloaded
 from .connections import IDLE_TIMEOUT_S, MAX_CONNECTIONS, READ_TIMEOUT_S, ConnectionGuard
 from .metrics import Metrics
@@ -146,8 +147,10 @@ class PolicyServer:
                 # Closed now: aiohttp would otherwise wait for the rest of the body (its lingering time).
                 request.protocol.force_close()
                 return response
-            result = await self.batcher.submit(parse_act_request(body, self.policy.spec, self.policy.check_finite),
-                                               lambda: _connected(request))
+            parsed = parse_act_request(body, self.policy.spec, self.policy.check_finite)
+            if parsed.jpeg:  # decoded in a thread, off the event loop
+                parsed = await asyncio.to_thread(decode_jpeg_inputs, parsed, self.policy.spec)
+            result = await self.batcher.submit(parsed, lambda: _connected(request))
         except RequestError as error:
             return _error(error.status, error.message)
         # NaN or Inf in this request's actions (ServedPolicy's guard): not sent, named.
