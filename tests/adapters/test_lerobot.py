@@ -19,6 +19,9 @@ from tests.support import DEVICES  # noqa: E402
 # fp32 actions against LeRobot's fp32 loop on the same noise (DDIM with few steps: with many,
 # LeRobot's own fp32 loop is that far from fp64 at the last steps' alphas).
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+# Large enough that the ResNet's last feature map is 3 x 3: at 32 x 32 it is 1 x 1, its spatial
+# softmax keypoints constant, and the actions would not depend on the image at all.
+IMAGE = (3, 96, 96)
 
 
 def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=True, n_groups=8, image=False,
@@ -29,7 +32,7 @@ def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=T
     cameras were 0.4's)."""
     inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
     if image:
-        inputs["observation.image"] = PolicyFeature(type=FeatureType.VISUAL, shape=(3, 32, 32))
+        inputs["observation.image"] = PolicyFeature(type=FeatureType.VISUAL, shape=IMAGE)
     else:
         inputs["observation.environment_state"] = PolicyFeature(type=FeatureType.ENV, shape=(3,))
     config = DiffusionConfig(input_features=inputs,
@@ -54,7 +57,7 @@ def observations(policy, batch, device, seed=1, steps=True):
     shape = (batch, policy.config.n_obs_steps) if steps else (batch,)
     obs = {"observation.state": torch.randn(*shape, 2, generator=g)}
     if "observation.image" in policy.config.input_features:
-        images = torch.rand(*shape, 3, 32, 32, generator=g)
+        images = torch.rand(*shape, *IMAGE, generator=g)
         obs["observation.images" if steps else "observation.image"] = images[:, :, None] if steps else images
     else:
         obs["observation.environment_state"] = torch.randn(*shape, 3, generator=g)
@@ -187,6 +190,21 @@ def test_image_policy_whole_graph_with_a_channels_last_encoder(device):
                                        reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
     if device == "cuda":
         assert len(policy.diffusion.generate_actions._graphs) == 2
+
+
+def test_the_image_moves_the_actions():
+    """The image tests compare actions that depend on the image: two observations that differ
+    only in it get different actions, accelerated as in LeRobot."""
+    reference = make_policy(image=True)
+    policy = dpa.accelerate(copy.deepcopy(reference))
+    obs = observations(reference, 2, "cpu")
+    other = {**obs, "observation.images": torch.rand(obs["observation.images"].shape,
+                                                     generator=torch.Generator().manual_seed(9))}
+    noise = torch.randn(2, 16, 2)
+    with torch.no_grad():
+        for model in (reference, policy):
+            moved = model.diffusion.generate_actions(dict(other), noise=noise)
+            assert (moved - model.diffusion.generate_actions(dict(obs), noise=noise)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
