@@ -3,6 +3,7 @@ load_lerobot_pretrained. Needs LeRobot's real modeling code (requirements-lerobo
 by .ci/run); skipped without it."""
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -25,14 +26,16 @@ IMAGE = (3, 96, 96)
 
 
 def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=True, n_groups=8, image=False,
-                device="cpu", seed=0, scale=3.0, separate_encoders=False):
+                device="cpu", seed=0, scale=3.0, separate_encoders=False, cameras=1, **image_options):
     """A small LeRobot DiffusionPolicy: state (2) and environment state (3), or an image, with
     the U-Net's weights scaled up (`scale`) so that every layer matters. The encoder's settings
     are given, not LeRobot's defaults, which 0.6 changed (GroupNorm and one encoder for all
     cameras were 0.4's)."""
     inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
     if image:
-        inputs["observation.image"] = PolicyFeature(type=FeatureType.VISUAL, shape=IMAGE)
+        for camera in range(cameras):
+            key = "observation.image" if cameras == 1 else f"observation.images.cam{camera}"
+            inputs[key] = PolicyFeature(type=FeatureType.VISUAL, shape=IMAGE)
     else:
         inputs["observation.environment_state"] = PolicyFeature(type=FeatureType.ENV, shape=(3,))
     config = DiffusionConfig(input_features=inputs,
@@ -42,7 +45,7 @@ def make_policy(scheduler="DDIM", steps=10, down_dims=(16, 32, 64), film_scale=T
                              num_inference_steps=steps, spatial_softmax_num_keypoints=4,
                              pretrained_backbone_weights=None, use_group_norm=True,
                              use_separate_rgb_encoder_per_camera=separate_encoders, horizon=16, n_action_steps=8,
-                             device=device)
+                             device=device, **image_options)
     torch.manual_seed(seed)
     policy = modeling.DiffusionPolicy(config).to(device).eval()
     with torch.no_grad():
@@ -56,9 +59,13 @@ def observations(policy, batch, device, seed=1, steps=True):
     g = torch.Generator().manual_seed(seed)
     shape = (batch, policy.config.n_obs_steps) if steps else (batch,)
     obs = {"observation.state": torch.randn(*shape, 2, generator=g)}
-    if "observation.image" in policy.config.input_features:
-        images = torch.rand(*shape, *IMAGE, generator=g)
-        obs["observation.images" if steps else "observation.image"] = images[:, :, None] if steps else images
+    cameras = [key for key in policy.config.input_features if key.startswith("observation.image")]
+    if cameras:
+        images = torch.rand(*shape, len(cameras), *IMAGE, generator=g)
+        if steps:  # generate_actions takes the cameras stacked, as select_action stacks them
+            obs["observation.images"] = images
+        else:
+            obs.update({key: images[:, i] for i, key in enumerate(cameras)})
     else:
         obs["observation.environment_state"] = torch.randn(*shape, 3, generator=g)
     return {k: v.to(device) for k, v in obs.items()}
@@ -190,6 +197,24 @@ def test_image_policy_whole_graph_with_a_channels_last_encoder(device):
                                        reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
     if device == "cuda":
         assert len(policy.diffusion.generate_actions._graphs) == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cameras", [1, 3])
+def test_resize_and_crop_run_in_one_graph(device, cameras):
+    """LeRobot's resize_shape and crop_shape (torchvision's Resize and CenterCrop in eval) with one
+    and three cameras: LeRobot's actions, and on CUDA one graph, captured without a warning."""
+    reference = make_policy(image=True, cameras=cameras, resize_shape=(80, 80), crop_shape=(72, 72), device=device)
+    policy = dpa.accelerate(copy.deepcopy(reference))
+    obs = observations(reference, 2, device)
+    noise = torch.randn(2, 16, 2).to(device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a capture that fails warns
+        torch.testing.assert_close(policy.diffusion.generate_actions(dict(obs), noise=noise),
+                                   reference.diffusion.generate_actions(dict(obs), noise=noise), **TOLERANCE)
+    if device == "cuda":
+        call = policy.diffusion.generate_actions
+        assert call.refused is None and len(call._graphs) == 1
 
 
 def test_the_image_moves_the_actions():
