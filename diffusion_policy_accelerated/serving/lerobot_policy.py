@@ -28,7 +28,6 @@ from typing import Dict, List
 
 import torch
 
-from .policies import PolicySource, ServedPolicy
 from .protocol import TensorSpec
 
 INSTALL = "pip install --no-deps lerobot==0.4.4 && pip install -r requirements-lerobot.txt"
@@ -93,10 +92,12 @@ def load_processors(lerobot: SimpleNamespace, folder: Path, device: torch.device
     return pre, post
 
 
-def lerobot_frames_policy(source: PolicySource, cameras: List[str], device: torch.device, dtype: torch.dtype,
+def lerobot_frames_policy(source, cameras: List[str], device: torch.device, dtype: torch.dtype,
                           max_rows: int, info: Dict[str, object], seed: int,
-                          guard: Dict[str, bool]) -> ServedPolicy:
-    """The ServedPolicy of a LeRobot folder with `cameras` (see the module doc)."""
+                          guard: Dict[str, bool]) -> Dict[str, object]:
+    """ServedPolicy's keyword arguments for the LeRobot folder of `source` (a PolicySource) with
+    `cameras` (see the module doc). Arguments, not the policy: policies.py, which defines
+    ServedPolicy, imports this module."""
     lerobot = import_lerobot()
     from ..adapters.lerobot import accelerate_lerobot
 
@@ -137,8 +138,8 @@ def lerobot_frames_policy(source: PolicySource, cameras: List[str], device: torc
     print(f"dpa serve: LeRobot policy {folder} served from camera frames {image_keys} with LeRobot "
           f"{getattr(sys.modules.get('lerobot'), '__version__', '')}'s encoder and processors", file=sys.stderr,
           flush=True)
-    return ServedPolicy(name=f"LeRobot DiffusionPolicy ({source.path}), {len(image_keys)} camera"
-                             f"{'s' if len(image_keys) > 1 else ''}", inputs=inputs,
-                        action_shape=(int(config.n_action_steps), action_dim), trajectory_shape=(horizon, action_dim),
-                        num_steps=sampler.num_steps, device=device, predict=predict, max_rows=max_rows, info=info,
-                        seed=seed, **guard)
+    return dict(name=f"LeRobot DiffusionPolicy ({source.path}), {len(image_keys)} camera"
+                     f"{'s' if len(image_keys) > 1 else ''}", inputs=inputs,
+                action_shape=(int(config.n_action_steps), action_dim), trajectory_shape=(horizon, action_dim),
+                num_steps=sampler.num_steps, device=device, predict=predict, max_rows=max_rows, info=info, seed=seed,
+                **guard)

@@ -265,7 +265,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
 
     cameras = lerobot_cameras(source.path)
     if cameras and not source.lerobot_global_cond:
-        return lerobot_frames_policy(source, cameras, device, dtype, max_rows, info, seed, guard)
+        return ServedPolicy(**lerobot_frames_policy(source, cameras, device, dtype, max_rows, info, seed, guard))
     policy = load_lerobot_pretrained(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
                                      parallel=source.parallel(), check_finite=False)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
