@@ -5,10 +5,15 @@ then holds the frames' JPEG files end to end (uint8, 1-D), and the request's met
 gives each file's length, nested like the frames ([n_obs_steps], or [n, n_obs_steps]).
 `decode_jpeg_inputs` turns those into the raw frames the policy takes, with torchvision's
 `decode_jpeg` on the CPU (libjpeg-turbo), in a thread of the server's rather than its event
-loop; each decoded frame must have the spec's [C, H, W], else 400 naming the input.
+loop. Each file's header must declare the spec's [C, H, W] before anything is decoded (a
+file of a few bytes can declare 65500 x 65500 pixels, gigabytes decoded), and the decoded frame
+must have it too, else 400 naming the input. libjpeg decodes damaged image data as far as it
+goes rather than failing: a file whose header is intact but whose data was damaged in transit
+gives a wrong frame, not an error, so a link that can damage bytes without failing the
+connection is one to send raw frames over.
 `encode_jpeg_frames` is the client's side (torchvision's `encode_jpeg`).
 """
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -22,6 +27,41 @@ def _torchvision_io():
     except ImportError as error:
         raise ImportError(f"JPEG camera frames need torch and torchvision ({error}): pip install torchvision") from error
     return torch, decode_jpeg, encode_jpeg, ImageReadMode
+
+
+# Start-of-frame markers (baseline, progressive, lossless, arithmetic): their segment holds the
+# image's height, width and number of components. Markers without a length follow.
+_START_OF_FRAME = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_NO_LENGTH = {0x01, 0xD8} | set(range(0xD0, 0xD8))
+_START_OF_SCAN = 0xDA
+
+
+def jpeg_header_shape(data: bytes) -> Optional[Tuple[int, int, int]]:
+    """(components, height, width) from a JPEG file's first start-of-frame segment, or None
+    where the bytes before the image data hold none (not a JPEG, or a truncated header)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte
+            i += 1
+            continue
+        if marker in _NO_LENGTH:
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2:i + 4], "big")
+        if marker in _START_OF_FRAME:
+            if length < 8 or i + 10 > len(data):
+                return None
+            height, width = int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+            return data[i + 9], height, width
+        if marker == _START_OF_SCAN or length < 2:
+            return None
+        i += 2 + length
+    return None
 
 
 def decode_jpeg_inputs(request: ActRequest, spec: PolicySpec) -> ActRequest:
@@ -39,6 +79,13 @@ def decode_jpeg_inputs(request: ActRequest, spec: PolicySpec) -> ActRequest:
         for i, file in enumerate(files):
             where = np.unravel_index(i, (request.rows, shape[0]))
             label = f"frame [{where[1]}]" if request.single else f"frame [{where[0]}, {where[1]}]"
+            declared = jpeg_header_shape(file.numpy().tobytes())
+            if declared is None:
+                raise RequestError(400, f"input {name!r} {label} is not a JPEG file (no start-of-frame header)")
+            if declared != shape[1:]:
+                raise RequestError(400, f"input {name!r} {label}'s header declares [{', '.join(map(str, declared))}], "
+                                        f"not the [{', '.join(map(str, shape[1:]))}] (C, H, W) GET /v1/spec gives "
+                                        f"(resize on the robot before encoding); not decoded")
             try:
                 frame = decode_jpeg(file, mode=ImageReadMode.UNCHANGED)
             # Untrusted bytes: whatever libjpeg refuses is the sender's error.

@@ -225,7 +225,7 @@ def _jpeg_lengths(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]
         return {}
     try:
         declared = json.loads(metadata[JPEG_KEY])
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
         declared = None
     if not isinstance(declared, dict):
         raise RequestError(400, f"metadata {JPEG_KEY!r} must be a JSON object {{input: lengths}}, got "
@@ -236,23 +236,38 @@ def _jpeg_lengths(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]
         if expected is None or expected.dtype != "uint8" or len(expected.shape) != 4:
             raise RequestError(400, f"input {name!r} is sent as JPEG, but only camera inputs (uint8 [n_obs_steps, "
                                     f"C, H, W]) can be: {[k for k, v in spec.inputs.items() if v.dtype == 'uint8']}")
-        try:
-            lengths = np.array(lengths, dtype=np.int64)
-        except (ValueError, TypeError, OverflowError):
-            lengths = np.zeros((0,), np.int64)
+        array = tensors[name]
+        lengths = _file_lengths(lengths, array.size)
         steps = expected.shape[0]
         if not (lengths.shape == (steps,) or (lengths.ndim == 2 and lengths.shape[1] == steps)) or \
-                not (lengths > 0).all() or lengths.size == 0:
+                lengths.size == 0:
             raise RequestError(400, f"input {name!r}: metadata {JPEG_KEY!r} must give a positive byte length per "
                                     f"JPEG frame, [{steps}] for one observation or [n, {steps}], got "
                                     f"{str(declared[name])[:100]}")
-        array = tensors[name]
-        if array.dtype != np.uint8 or array.ndim != 1 or array.size != int(lengths.sum()):
+        if array.dtype != np.uint8 or array.ndim != 1 or array.size != sum(map(int, lengths.reshape(-1))):
             raise RequestError(400, f"input {name!r} is sent as JPEG: its tensor must be the {lengths.size} files "
                                     f"end to end, uint8 [{int(lengths.sum())}] (the lengths' sum), got "
                                     f"{array.dtype} {list(array.shape)}")
         out[name] = lengths
     return out
+
+
+def _file_lengths(value, limit: int) -> np.ndarray:
+    """`value` (JSON: a list of ints, or a list of such lists) as an int64 array, each length a
+    plain int in [1, limit] (so that the lengths' sum cannot wrap); an empty array where it is
+    anything else."""
+    def lengths_of(row) -> Optional[List[int]]:
+        if not isinstance(row, list) or not all(type(x) is int and 1 <= x <= limit for x in row):
+            return None
+        return row
+
+    if isinstance(value, list) and value and all(isinstance(row, list) for row in value):
+        rows = [lengths_of(row) for row in value]
+        if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
+            return np.zeros((0,), np.int64)
+        return np.array(rows, dtype=np.int64)
+    row = lengths_of(value)
+    return np.zeros((0,), np.int64) if row is None else np.array(row, dtype=np.int64)
 
 
 # JPEG files as a client gives them: bytes, in lists nested like the frames' leading dimensions.

@@ -83,14 +83,20 @@ def test_jpeg_frames_act_as_the_frames_they_decode_to(server):
 def test_bad_jpeg_gets_400_naming_the_input(server):
     obs = camera_frames(2, seed=5)
     files = encode_jpeg_frames(obs["camera_0"], 90, "camera_0")
-    corrupt = [[f[:20] + b"\x00" * 40 + f[60:] for f in row] for row in files]
-    corrupt[1][1] = b"not a jpeg at all"
+    # A header that declares 12000 x 12000 pixels: refused before decoding (gigabytes decoded).
+    bomb = bytearray(files[1][1])
+    sof = next(i for i in range(2, len(bomb) - 1) if bomb[i] == 0xFF and bomb[i + 1] in (0xC0, 0xC2))
+    bomb[sof + 5:sof + 9] = (12000).to_bytes(2, "big") * 2
     small = encode_jpeg_frames(obs["camera_0"][..., :16, :], 90, "camera_0")
     rest = {k: v for k, v in obs.items() if k != "camera_0"}
     for jpeg, inputs, text in [
         ({"camera_0": [files[0], [files[1][0], b"not a jpeg at all"]]}, rest,
+         "input 'camera_0' frame [1, 1] is not a JPEG file"),
+        ({"camera_0": [files[0], [files[1][0], files[1][1][:200] + b"\xff\xd9"]]}, rest,
          "input 'camera_0' frame [1, 1] is not a decodable JPEG"),
-        ({"camera_0": small}, rest, "input 'camera_0' frame [0, 0] decodes to [3, 16, 40], not the [3, 32, 40]"),
+        ({"camera_0": [files[0], [files[1][0], bytes(bomb)]]}, rest,
+         "input 'camera_0' frame [1, 1]'s header declares [3, 12000, 12000], not the [3, 32, 40]"),
+        ({"camera_0": small}, rest, "input 'camera_0' frame [0, 0]'s header declares [3, 16, 40], not the [3, 32, 40]"),
         ({"camera_0": files[0]}, rest, "every input needs the same leading dimension"),
         ({"camera_0": files, "robot_eef_pose": files}, {"camera_1": obs["camera_1"]},
          "input 'robot_eef_pose' is sent as JPEG, but only camera inputs"),
@@ -104,7 +110,18 @@ def test_bad_jpeg_gets_400_naming_the_input(server):
     code, payload = raw_post(server.url, body)
     assert code == 400 and "input 'camera_0' is sent as JPEG: its tensor must be the 4 files end to end" in \
         payload["error"], payload
+    # Lengths whose int64 sum wraps to the tensor's size, lengths that are not plain ints, and
+    # metadata nested deeper than JSON parsing goes: 400, not a crash or a 500 (which clients retry).
+    for jpeg in ({"camera_0": [[2 ** 62, 2 ** 62], [2 ** 62, 2 ** 62 + 4]]}, {"camera_0": [[True, "3"], [1, 1]]},
+                 {"camera_0": [[2.5, 1], [1, 1]]}):
+        body = protocol.encode_tensors({**rest, "camera_0": np.zeros(4, np.uint8)}, {"jpeg": json.dumps(jpeg)})
+        code, payload = raw_post(server.url, body)
+        assert code == 400 and "input 'camera_0': metadata 'jpeg' must give a positive byte length" in \
+            payload["error"], (jpeg, payload)
+    body = protocol.encode_tensors({**rest, "camera_0": np.zeros(4, np.uint8)}, {"jpeg": "[" * 5000})
+    code, payload = raw_post(server.url, body)
+    assert code == 400 and "metadata 'jpeg' must be a JSON object" in payload["error"], payload
     with PolicyClient(server.url, timeout=60) as client:
-        with pytest.raises(RequestRejected, match="input 'camera_0' frame .* decodes to"):
+        with pytest.raises(RequestRejected, match="input 'camera_0' frame .*'s header declares"):
             client.act({**obs, "camera_0": obs["camera_0"][..., :20]}, jpeg_quality=90)
         assert client.act(obs, seed=1, jpeg_quality=50).shape == (2, 8, 2)
