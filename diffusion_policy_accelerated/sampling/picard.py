@@ -87,12 +87,13 @@ class PicardLoop:
 
     def _first_guess(self, trajectory, step_noise, condition_data, condition_mask) -> None:
         """The first window's states x[1..window], guessed by stepping from x[0] with the model
-        output expected at pure noise (the noise itself for epsilon and v prediction, zero,
-        the normalised data's mean, for sample prediction): their noise and a drift, where
-        copies of x[0] have neither (picard_update guesses each later window's new states the
-        same way, with the last output; fewer iterations, docs/tried.md)."""
+        output expected at pure noise: the noise itself for epsilon prediction; zero for sample
+        prediction (the normalised data's mean) and for v prediction (sqrt(alpha_bar) * noise -
+        sqrt(1 - alpha_bar) * sample, near 0 there). The guesses carry their noise and a drift,
+        where copies of x[0] have neither (picard_update guesses each later window's new states
+        the same way, with the last output; fewer iterations, docs/tried.md)."""
         s = self.schedule
-        output = torch.zeros_like(trajectory[0]) if s.prediction_type == "sample" else trajectory[0]
+        output = trajectory[0] if s.prediction_type == "epsilon" else torch.zeros_like(trajectory[0])
         for i in range(self.window):
             trajectory[i + 1] = ops.denoise_step(
                 output, trajectory[i], None if step_noise is None else step_noise[i], s.table, i, scheduler=s.kind,

@@ -211,6 +211,18 @@ def test_tolerance_zero_is_the_sequential_trajectory(device, kind, steps, batch)
         assert 1 <= parallel.last_iterations <= steps
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prediction_type", ["sample", "v_prediction"])
+def test_tolerance_zero_with_other_predictions(device, prediction_type):
+    """Sample and v prediction (their first guesses differ from epsilon's): tolerance 0 gives the
+    sequential trajectory."""
+    config = dict(SCHEDULER_CONFIG, _class_name="DDPMScheduler", prediction_type=prediction_type)
+    sched, model, args = DenoiseSchedule.from_diffusers(config, 12), unet(device), inputs(2, device, 12)
+    sequential = GraphedSampler(model, sched)(**args)
+    parallel = GraphedSampler(model, sched, parallel=Picard(window=4, tolerance=0))
+    torch.testing.assert_close(parallel(**args), sequential, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_a_dropped_sampler_collected_during_a_capture():
     """A parallel sampler sits in a reference cycle (its loop holds it), so its graph is freed by
