@@ -23,6 +23,7 @@ variance noise at index i + 1) to reproduce a run exactly.
 import contextlib
 import gc
 import sys
+import threading
 import weakref
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -74,20 +75,11 @@ class _LoopSampler:
         """torch.cuda.graph(graph, stream=capture_stream(), **kwargs), keeping the memory pools
         of the graph loops captured into it (a parallel loop's body) for the graph's life."""
         self._loop_pools, pools = [], None
-        # A CUDA graph destroyed during a capture invalidates it. A graph whose owner sits in a
-        # reference cycle (a dropped sampler) is destroyed when Python's collector runs, which any
-        # allocation may trigger, and torch.cuda.graph no longer collects first: collect before,
-        # not during.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            with torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
+            with _collector_paused(), torch.cuda.graph(graph, stream=self.capture_stream(), **kwargs):
                 yield
             pools = self._loop_pools
         finally:
-            if collecting:
-                gc.enable()
             if pools is None:  # the capture failed: nothing holds the pools
                 _release_pools(self.device.index, self._loop_pools)
             self._loop_pools = None
@@ -302,6 +294,31 @@ class GraphedSampler(_LoopSampler):
         self._check_mask(condition_data, condition_mask)
         self.unet.check_inputs(condition_data.shape, local_cond, global_cond, sample_name="condition_data")
         self._check_noise(condition_data, noise, initial_noise)
+
+
+_collector = {"lock": threading.Lock(), "captures": 0, "was_enabled": False}
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while any thread captures a CUDA graph, after one collection.
+    A CUDA graph destroyed during a capture invalidates it, and a graph whose owner sits in a
+    reference cycle (a dropped sampler) is destroyed when the collector runs, which any
+    allocation may trigger; torch.cuda.graph no longer collects first. Counted, so that one
+    thread's capture ending does not turn the collector back on during another's."""
+    gc.collect()
+    with _collector["lock"]:
+        if _collector["captures"] == 0:
+            _collector["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _collector["captures"] += 1
+    try:
+        yield
+    finally:
+        with _collector["lock"]:
+            _collector["captures"] -= 1
+            if _collector["captures"] == 0 and _collector["was_enabled"]:
+                gc.enable()
 
 
 def _release_pools(device_index: int, pools) -> None:

@@ -223,6 +223,21 @@ def test_tolerance_zero_with_other_predictions(device, prediction_type):
     torch.testing.assert_close(parallel(**args), sequential, rtol=1e-5, atol=1e-5)
 
 
+def test_the_collector_stays_off_until_the_last_capture_ends():
+    """Captures in two threads overlap: the first to end must not turn Python's collector back on
+    while the other still captures (the pause is counted)."""
+    import gc
+
+    from diffusion_policy_accelerated.sampling.sampler import _collector_paused
+
+    assert gc.isenabled()
+    with _collector_paused():
+        with _collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+
+
 @pytest.mark.gpu
 def test_a_dropped_sampler_collected_during_a_capture():
     """A parallel sampler sits in a reference cycle (its loop holds it), so its graph is freed by
