@@ -270,9 +270,6 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                                      parallel=source.parallel(), check_finite=False)
     info.update(source=source.path, steps=policy.sampler.num_steps, scheduler=policy.sampler.schedule.kind,
                 normalised=True)
-    features = policy.config.get("input_features")
-    cameras = sorted(k for k, v in features.items() if isinstance(v, dict) and v.get("type") == "VISUAL") \
-        if isinstance(features, dict) else []
     if cameras:
         # Asked for (lerobot_global_cond): the client runs LeRobot's encoder and preprocessor and
         # sends the global condition LeRobot's model builds from its normalised frames and state.
