@@ -26,13 +26,14 @@ What it runs (`DiffusionPolicyCheckpoint`):
   `DiffusionUnetImagePolicy` / `DiffusionUnetHybridImagePolicy` from the features their
   observation encoder produced (the caller runs the encoder).
 - `predict_action(obs_dict)`: the whole `predict_action` of `DiffusionUnetLowdimPolicy`
-  (raw observations in, actions out) and of `DiffusionUnetImagePolicy` (camera frames float
-  in [0, 1] and low-dim observations in, actions out), whose `MultiImageObsEncoder` (ResNet
-  backbones) is rebuilt from the config with torchvision alone (dp_encoder.py).
+  (raw observations in, actions out) and of `DiffusionUnetImagePolicy` and
+  `DiffusionUnetHybridImagePolicy` (camera frames float in [0, 1] and low-dim observations
+  in, actions out), whose observation encoders are rebuilt from the config with torchvision
+  alone: `MultiImageObsEncoder` (ResNet backbones, dp_encoder.py) and the hybrid policy's
+  robomimic `ObservationEncoder` (ResNet18 + SpatialSoftmax, dp_hybrid_encoder.py).
 
-What it does not: it never builds or runs the hybrid policy's robomimic encoder
-(`DiffusionUnetHybridImagePolicy` is served from encoder features only);
-`obs_encoder_state_dict()` hands its weights to whoever runs it. Transformer policies
+What it does not: an encoder its config does not describe (another backbone, weights that do
+not fit) is not run; `obs_encoder_state_dict()` hands its weights to whoever runs it. Transformer policies
 (`DiffusionTransformer*Policy`), the video policy, and schedulers other than diffusers'
 `DDPMScheduler` / `DDIMScheduler` are refused with an error.
 
@@ -60,11 +61,12 @@ from ..sampling.picard import Picard
 from ..sampling.sampler import GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
 from .dp_encoder import ObsEncoder, build_obs_encoder, obs_keys
+from .dp_hybrid_encoder import HYBRID_POLICY, build_hybrid_obs_encoder
 
 __all__ = ["load_checkpoint", "DiffusionPolicyCheckpoint", "unet_config_from_state_dict"]
 
 LOWDIM_POLICY = "DiffusionUnetLowdimPolicy"
-IMAGE_POLICY = "DiffusionUnetImagePolicy"  # the one whose encoder is rebuilt (dp_encoder.py)
+IMAGE_POLICY = "DiffusionUnetImagePolicy"  # MultiImageObsEncoder (dp_encoder.py)
 IMAGE_POLICIES = ("DiffusionUnetImagePolicy", "DiffusionUnetHybridImagePolicy")
 SUPPORTED_POLICIES = (LOWDIM_POLICY,) + IMAGE_POLICIES
 # The constructor parameters of each policy class; Diffusion Policy passes every other key of
@@ -315,7 +317,7 @@ class DiffusionPolicyCheckpoint:
         self.normalizer_params = {
             field: _map_tensors(params, lambda t: t.to(self.device))
             for field, params in self.normalizer_params.items()}
-        self._obs_encoder: Optional[ObsEncoder] = None
+        self._obs_encoder: Optional[torch.nn.Module] = None
         self.check_finite = check_finite_option(check_finite)
         self._guards = {name: FiniteGuard(getattr(self, name), name, self._named_weights)
                         for name in ("predict_action", "predict_action_from_features")}
@@ -529,16 +531,13 @@ class DiffusionPolicyCheckpoint:
           [B, T_obs >= n_obs_steps, *shape]: cameras (`rgb`) float in [0, 1], [B, T, C, H, W],
           as Diffusion Policy's environments give them; low-dim keys as they are. The
           observation encoder runs in float32 on `device` (built on first use: `obs_encoder`).
-        - `DiffusionUnetHybridImagePolicy`: refused (its robomimic encoder is not rebuilt:
-          use `predict_action_from_features`).
+        - `DiffusionUnetHybridImagePolicy`: the same inputs; its robomimic ObservationEncoder
+          is rebuilt with torchvision alone (dp_hybrid_encoder.py). Where the checkpoint's
+          encoder cannot be rebuilt, `obs_encoder` raises ValueError saying why: encode the
+          observations yourself and call `predict_action_from_features`.
         """
         if self.policy_class == LOWDIM_POLICY:
             return self._predict_lowdim(obs_dict, generator, noise)
-        if self.policy_class != IMAGE_POLICY:
-            raise NotImplementedError(
-                f"{self.policy_class} encodes images with robomimic's encoder, which this package does not "
-                f"rebuild: encode the normalised observations yourself (weights: obs_encoder_state_dict()) and "
-                f"call predict_action_from_features ({IMAGE_POLICY}'s encoder is rebuilt)")
         if not isinstance(obs_dict, Mapping):
             raise TypeError(f"obs_dict must be a mapping of observation name to tensor, got {type(obs_dict).__name__}")
         encoder = self.obs_encoder
@@ -602,14 +601,24 @@ class DiffusionPolicyCheckpoint:
         return list(obs_keys(self.cfg["policy"]["shape_meta"])[0])
 
     @property
-    def obs_encoder(self) -> ObsEncoder:
-        """`DiffusionUnetImagePolicy`'s MultiImageObsEncoder, rebuilt from the config and the
-        checkpoint's `obs_encoder.` weights (loaded strictly) on first use, float32 on `device`."""
-        if self.policy_class != IMAGE_POLICY:
-            raise NotImplementedError(f"only {IMAGE_POLICY}'s observation encoder is rebuilt, not "
-                                      f"{self.policy_class}'s")
+    def obs_encoder(self) -> torch.nn.Module:
+        """The image policies' observation encoder, rebuilt from the config and the
+        checkpoint's `obs_encoder.` weights (loaded strictly) on first use, float32 on `device`:
+        `DiffusionUnetImagePolicy`'s MultiImageObsEncoder (dp_encoder.py),
+        `DiffusionUnetHybridImagePolicy`'s robomimic ObservationEncoder (dp_hybrid_encoder.py).
+        ValueError, saying why, where the checkpoint's encoder cannot be rebuilt."""
+        if self.policy_class not in IMAGE_POLICIES:
+            raise NotImplementedError(f"{self.policy_class} has no observation encoder")
         if self._obs_encoder is None:
-            encoder = build_obs_encoder(self.cfg["policy"], self.obs_encoder_state_dict())
+            build = build_hybrid_obs_encoder if self.policy_class == HYBRID_POLICY else build_obs_encoder
+            try:
+                encoder = build(self.cfg["policy"], self.obs_encoder_state_dict())
+            except ValueError as error:
+                if self.policy_class != HYBRID_POLICY:
+                    raise
+                raise ValueError(f"{HYBRID_POLICY}'s robomimic observation encoder cannot be rebuilt from this "
+                                 f"checkpoint: {error}; encode the normalised observations yourself (weights: "
+                                 f"obs_encoder_state_dict()) and call predict_action_from_features") from error
             if encoder.feature_dim != self.obs_feature_dim:
                 raise ValueError(f"the rebuilt obs_encoder gives {encoder.feature_dim} features per step, the "
                                  f"U-Net takes {self.obs_feature_dim}")

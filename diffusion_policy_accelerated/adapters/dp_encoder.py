@@ -27,7 +27,7 @@ GroupNorm(channels // 16) with use_group_norm, except for a shared model, as in 
 model shared by every camera (share_rgb_model); then the low-dim keys (sorted) appended as
 they are. Its input is DP's: the NORMALISED observations, one frame per batch element.
 
-The hybrid policy's robomimic encoder is not rebuilt (see checkpoint.py).
+The hybrid policy's robomimic encoder is rebuilt in dp_hybrid_encoder.py.
 """
 import copy
 from collections.abc import Mapping

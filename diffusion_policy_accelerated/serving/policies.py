@@ -37,8 +37,9 @@ class PolicySource:
     """Where a served policy comes from. `kind`: 'demo' (the demo's lowdim Push-T U-Net with
     random weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
     Diffusion Policy workspace .ckpt: raw lowdim observations in, an image policy's camera
-    frames (uint8) and low-dim observations, or a hybrid image policy's encoder features), or 'lerobot' (a LeRobot pretrained folder: LeRobot's normalised global
-    condition in, normalised actions out; a folder with cameras: camera frames (uint8) and
+    frames (uint8) and low-dim observations (the hybrid image policy's too), or, where the
+    encoder cannot be rebuilt, its encoder features), or 'lerobot' (a LeRobot pretrained
+    folder: LeRobot's normalised global condition in, normalised actions out; a folder with cameras: camera frames (uint8) and
     state in, unnormalised actions out, with LeRobot installed (lerobot_policy.py), or, with
     `lerobot_global_cond`, the global condition as without cameras). `steps` overrides the number of denoising steps;
     `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
@@ -224,7 +225,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
     if source.kind == "demo":
         return _demo_policy(source, device, dtype, max_rows, info, seed, guard)
     if source.kind == "checkpoint":
-        from ..adapters.checkpoint import IMAGE_POLICY, LOWDIM_POLICY, load_checkpoint
+        from ..adapters.checkpoint import IMAGE_POLICIES, LOWDIM_POLICY, load_checkpoint
 
         ckpt = load_checkpoint(source.path, device=device, dtype=dtype, num_inference_steps=source.steps,
                                parallel=source.parallel(), check_finite=False)
@@ -240,8 +241,8 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
                                 inputs={"obs": TensorSpec((ckpt.n_obs_steps, ckpt.obs_dim))},
                                 predict=lambda x, noise: ckpt.predict_action({"obs": x["obs"]}, noise=noise)["action"],
                                 **common)
-        why_features = "its robomimic encoder is not rebuilt"
-        if ckpt.policy_class == IMAGE_POLICY:
+        why_features = "its observation encoder is not rebuilt"
+        if ckpt.policy_class in IMAGE_POLICIES:
             try:
                 ckpt.obs_encoder  # rebuilt here, or why not
             except ValueError as error:
@@ -286,7 +287,8 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
 
 
 def _frames_policy(ckpt, source: PolicySource, common: Dict[str, object]) -> ServedPolicy:
-    """A DiffusionUnetImagePolicy checkpoint served from camera frames (see the module doc)."""
+    """A DiffusionUnetImagePolicy or DiffusionUnetHybridImagePolicy checkpoint served from camera
+    frames (see the module doc)."""
     cameras = ckpt.camera_keys
     To = ckpt.n_obs_steps
     inputs = {key: TensorSpec((To,) + shape, "uint8" if key in cameras else "float32")

@@ -105,12 +105,13 @@ def test_encoder_that_does_not_fit_is_refused(tmp_path):
         assert text in str(caught.value), str(caught.value)
 
 
-def test_hybrid_policy_predict_action_says_features_only(tmp_path):
+def test_hybrid_stand_in_without_encoder_weights_says_why(tmp_path):
     from tests.adapters.test_checkpoint import make_checkpoint
 
     path, *_ = make_checkpoint(tmp_path, policy="hybrid_image")
-    with pytest.raises(NotImplementedError, match="robomimic.*predict_action_from_features"):
-        load_checkpoint(path, device="cpu").predict_action({"image": torch.zeros(1, 2, 3, 8, 8)})
+    with pytest.raises(ValueError, match="robomimic observation encoder cannot be rebuilt.*predict_action_from_features"):
+        load_checkpoint(path, device="cpu").predict_action({"image": torch.zeros(1, 2, 3, 8, 8),
+                                                            "agent_pos": torch.zeros(1, 2, 2)})
 
 
 @pytest.mark.gpu
