@@ -56,6 +56,9 @@ def obs_keys(shape_meta: Mapping) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str,
     rgb, low_dim = {}, {}
     for key in sorted(obs):
         attr = obs[key]
+        if not isinstance(attr, Mapping) or not isinstance(attr.get("shape"), (list, tuple)) or \
+                not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in attr["shape"]):
+            raise ValueError(f"shape_meta.obs.{key} must be a mapping with a 'shape' of positive ints, got {attr!r}")
         shape = tuple(int(d) for d in attr["shape"])
         kind = attr.get("type", "low_dim")
         if kind == "rgb":
@@ -76,8 +79,9 @@ def _per_key(value, key: str, what: str) -> Optional[Tuple[int, int]]:
         if key not in value:
             raise ValueError(f"cfg.policy.obs_encoder.{what} has no entry for camera {key!r}")
         value = value[key]
-    if len(value) != 2:
-        raise ValueError(f"cfg.policy.obs_encoder.{what} must be [h, w], got {value!r}")
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or \
+            not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value):
+        raise ValueError(f"cfg.policy.obs_encoder.{what} must be [h, w], positive ints, got {value!r}")
     return int(value[0]), int(value[1])
 
 

@@ -245,7 +245,7 @@ def load_policy(source: PolicySource, max_rows: int = 64, seed: int = 0) -> Serv
         if ckpt.policy_class in IMAGE_POLICIES:
             try:
                 ckpt.obs_encoder  # rebuilt here, or why not
-            except ValueError as error:
+            except (ValueError, ImportError) as error:  # ImportError: no torchvision, which rebuilds it
                 why_features = f"its observation encoder cannot be rebuilt: {error}"
             else:
                 return _frames_policy(ckpt, source, common)

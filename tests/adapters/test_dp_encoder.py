@@ -98,6 +98,9 @@ def test_encoder_that_does_not_fit_is_refused(tmp_path):
          "missing [key_model_map.camera_0.layer1.2."),
         ({"crop_shape": [40, 28]}, "must be smaller than its [24, 32] frames"),
         ({"mystery": 1}, "arguments ['mystery']"),
+        ({"crop_shape": 96}, "crop_shape must be [h, w], positive ints, got 96"),
+        ({"resize_shape": [24, "32"]}, "resize_shape must be [h, w], positive ints"),
+        ({"shape_meta": {"obs": {"camera_0": {"type": "rgb"}}}}, "shape_meta.obs.camera_0 must be a mapping with a"),
     ]:
         bad = {**policy_cfg, "obs_encoder": {**policy_cfg["obs_encoder"], **change}}
         with pytest.raises(ValueError) as caught:
