@@ -47,14 +47,15 @@ ENCODER_DEFAULTS = dict(resize_shape=None, crop_shape=None, random_crop=True, us
                         share_rgb_model=False, imagenet_norm=False)
 
 
-def obs_keys(shape_meta: Mapping) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, Tuple[int, ...]]]:
+def obs_keys(shape_meta: Mapping, sort: bool = True) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, Tuple[int, ...]]]:
     """({rgb key: (C, H, W)}, {low-dim key: shape}) of shape_meta['obs'], each sorted by key
-    (DP's order of the features)."""
+    (MultiImageObsEncoder's order of the features) or, `sort=False`, in shape_meta's own order
+    (robomimic's, the hybrid policy's)."""
     obs = shape_meta.get("obs") if isinstance(shape_meta, Mapping) else None
     if not isinstance(obs, Mapping) or not obs:
         raise ValueError("cfg.policy.shape_meta has no 'obs' entries")
     rgb, low_dim = {}, {}
-    for key in sorted(obs):
+    for key in sorted(obs) if sort else obs:
         attr = obs[key]
         if not isinstance(attr, Mapping) or not isinstance(attr.get("shape"), (list, tuple)) or \
                 not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in attr["shape"]):

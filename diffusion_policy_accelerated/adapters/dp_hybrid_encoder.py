@@ -33,35 +33,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dp_encoder import _group_norm, _listed
+from .dp_encoder import _group_norm, _listed, obs_keys
 
-__all__ = ["HybridObsEncoder", "build_hybrid_obs_encoder", "hybrid_obs_keys"]
+__all__ = ["HybridObsEncoder", "build_hybrid_obs_encoder"]
 
 HYBRID_POLICY = "DiffusionUnetHybridImagePolicy"
 # DiffusionUnetHybridImagePolicy's defaults for the encoder's settings.
 HYBRID_DEFAULTS = dict(crop_shape=(76, 76), obs_encoder_group_norm=False, eval_fixed_crop=False)
 # robomimic's image config (modify_config_for_default_image_exp).
 NUM_KP, FEATURE_DIMENSION, TEMPERATURE = 32, 64, 1.0
-
-
-def hybrid_obs_keys(shape_meta: Mapping) -> Tuple[Dict[str, Tuple[int, ...]], Dict[str, Tuple[int, ...]]]:
-    """({rgb key: (C, H, W)}, {low-dim key: shape}) of shape_meta['obs'], in its own order."""
-    obs = shape_meta.get("obs") if isinstance(shape_meta, Mapping) else None
-    if not isinstance(obs, Mapping) or not obs:
-        raise ValueError("cfg.policy.shape_meta has no 'obs' entries")
-    rgb, low_dim = {}, {}
-    for key, attr in obs.items():
-        shape = tuple(int(d) for d in attr["shape"])
-        kind = attr.get("type", "low_dim")
-        if kind == "rgb":
-            if len(shape) != 3:
-                raise ValueError(f"shape_meta.obs.{key}: an rgb input must be [C, H, W], got {list(shape)}")
-            rgb[key] = shape
-        elif kind == "low_dim":
-            low_dim[key] = shape
-        else:
-            raise ValueError(f"shape_meta.obs.{key}: type {kind!r} is neither 'rgb' nor 'low_dim'")
-    return rgb, low_dim
 
 
 class ResNet18Conv(nn.Module):
@@ -139,7 +119,7 @@ class HybridObsEncoder(nn.Module):
     def __init__(self, shape_meta: Mapping, crop_shape=HYBRID_DEFAULTS["crop_shape"],
                  obs_encoder_group_norm: bool = False):
         super().__init__()
-        rgb, low_dim = hybrid_obs_keys(shape_meta)
+        rgb, low_dim = obs_keys(shape_meta, sort=False)
         if not rgb:
             raise ValueError("cfg.policy.shape_meta.obs has no rgb input: nothing for the image encoder to encode")
         self.obs_nets = nn.ModuleDict()
