@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from tests.adapters.test_checkpoint import ACTION_DIM, SMALL_UNET, save_workspace, scheduler_cfg
-from tests.support.dp_reference import RefUnet, randomize_
+from tests.support.dp_image_checkpoint import unet_and_state
 
 POLICY_TARGET = "diffusion_policy.policy.diffusion_unet_hybrid_image_policy.DiffusionUnetHybridImagePolicy"
 CAMERA_SHAPE = (3, 40, 48)
@@ -131,23 +131,8 @@ def make_hybrid_checkpoint(tmp_path, cameras=1, name="hybrid.ckpt", obs_mode="gl
     encoder = robomimic_encoder(shape_meta, crop_shape, obs_encoder_group_norm, eval_fixed_crop)
     features = encoder.output_shape()[0]
     glob = obs_mode == "global"
-    unet_kwargs = dict(input_dim=ACTION_DIM if glob else ACTION_DIM + features, local_cond_dim=None,
-                       global_cond_dim=2 * features if glob else None, **SMALL_UNET)
-    ref = randomize_(RefUnet(**unet_kwargs), 3).eval()
-    state = {"_dummy_variable": torch.empty(0)}
-    state.update({"model." + k: v.clone() for k, v in ref.state_dict().items()})
-    state.update({"obs_encoder." + k: v.clone() for k, v in encoder.state_dict().items()})
-    g = torch.Generator().manual_seed(7)
-    for field, attr in {**shape_meta["obs"], "action": shape_meta["action"]}.items():
-        prefix = f"normalizer.params_dict.{field}."
-        dim = 1 if attr.get("type") == "rgb" else attr["shape"][0]
-        if attr.get("type") == "rgb":  # DP's image range normaliser: [0, 1] -> [-1, 1]
-            state[prefix + "scale"], state[prefix + "offset"] = torch.tensor([2.0]), torch.tensor([-1.0])
-        else:
-            state[prefix + "scale"] = 0.5 + torch.rand(dim, generator=g)
-            state[prefix + "offset"] = torch.randn(dim, generator=g)
-        for stat in ("min", "max", "mean", "std"):
-            state[prefix + "input_stats." + stat] = torch.randn(dim, generator=g)
+    fields = {k: None if a.get("type") == "rgb" else a["shape"][0] for k, a in shape_meta["obs"].items()}
+    ref, state = unet_and_state(encoder, features, {**fields, "action": ACTION_DIM}, glob)
     cfg = dict(name="train_diffusion_unet_hybrid", horizon=16, n_obs_steps=2, n_action_steps=8, shape_meta=shape_meta,
                policy=dict(_target_=POLICY_TARGET, shape_meta="${shape_meta}", noise_scheduler=scheduler_cfg(scheduler),
                            horizon="${horizon}", n_action_steps="${n_action_steps}", n_obs_steps="${n_obs_steps}",

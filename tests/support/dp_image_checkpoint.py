@@ -47,6 +47,31 @@ def reference_encoder(shape_meta, cfg, seed=0):
     return encoder.eval()
 
 
+def unet_and_state(encoder, features, fields, glob):
+    """A random reference U-Net for `features` encoder features per observation step (global
+    conditioning, or inpainting where not `glob`) and the policy's state: the U-Net's weights,
+    the encoder's, and a normaliser of `fields` ({name: width, or None for a camera: DP's image
+    range normaliser, [0, 1] -> [-1, 1]})."""
+    unet_kwargs = dict(input_dim=ACTION_DIM if glob else ACTION_DIM + features, local_cond_dim=None,
+                       global_cond_dim=2 * features if glob else None, **SMALL_UNET)
+    ref = randomize_(RefUnet(**unet_kwargs), 3).eval()
+    state = {"_dummy_variable": torch.empty(0)}
+    state.update({"model." + k: v.clone() for k, v in ref.state_dict().items()})
+    state.update({"obs_encoder." + k: v.clone() for k, v in encoder.state_dict().items()})
+    g = torch.Generator().manual_seed(7)
+    for field, dim in fields.items():
+        prefix = f"normalizer.params_dict.{field}."
+        if dim is None:
+            state[prefix + "scale"], state[prefix + "offset"] = torch.tensor([2.0]), torch.tensor([-1.0])
+            dim = 1
+        else:
+            state[prefix + "scale"] = 0.5 + torch.rand(dim, generator=g)
+            state[prefix + "offset"] = torch.randn(dim, generator=g)
+        for stat in ("min", "max", "mean", "std"):
+            state[prefix + "input_stats." + stat] = torch.randn(dim, generator=g)
+    return ref, state
+
+
 def make_image_checkpoint(tmp_path, cameras=1, name="image.ckpt", obs_mode="global", scheduler="ddpm", steps=3,
                           camera_shape=CAMERA_SHAPE, **encoder_options):
     """(path, cfg (resolved), reference encoder, reference U-Net, policy state) of a
@@ -58,23 +83,8 @@ def make_image_checkpoint(tmp_path, cameras=1, name="image.ckpt", obs_mode="glob
     with torch.no_grad():
         features = encoder({k: torch.zeros((1,) + tuple(v["shape"])) for k, v in shape_meta["obs"].items()}).shape[-1]
     glob = obs_mode == "global"
-    unet_kwargs = dict(input_dim=ACTION_DIM if glob else ACTION_DIM + features, local_cond_dim=None,
-                       global_cond_dim=2 * features if glob else None, **SMALL_UNET)
-    ref = randomize_(RefUnet(**unet_kwargs), 3).eval()
-    state = {"_dummy_variable": torch.empty(0)}
-    state.update({"model." + k: v.clone() for k, v in ref.state_dict().items()})
-    state.update({"obs_encoder." + k: v.clone() for k, v in encoder.state_dict().items()})
-    g = torch.Generator().manual_seed(7)
-    fields = {f"camera_{i}": 1 for i in range(cameras)}  # DP's image range normaliser: [0, 1] -> [-1, 1]
-    for field, dim in {**fields, "robot_eef_pose": LOW_DIM, "action": ACTION_DIM}.items():
-        prefix = f"normalizer.params_dict.{field}."
-        if field.startswith("camera_"):
-            state[prefix + "scale"], state[prefix + "offset"] = torch.tensor([2.0]), torch.tensor([-1.0])
-        else:
-            state[prefix + "scale"] = 0.5 + torch.rand(dim, generator=g)
-            state[prefix + "offset"] = torch.randn(dim, generator=g)
-        for stat in ("min", "max", "mean", "std"):
-            state[prefix + "input_stats." + stat] = torch.randn(dim, generator=g)
+    fields = {**{f"camera_{i}": None for i in range(cameras)}, "robot_eef_pose": LOW_DIM, "action": ACTION_DIM}
+    ref, state = unet_and_state(encoder, features, fields, glob)
     cfg = dict(name="train_diffusion_unet_image", horizon=16, n_obs_steps=2, n_action_steps=8, shape_meta=shape_meta,
                policy=dict(_target_=POLICY_TARGET, shape_meta="${shape_meta}", noise_scheduler=scheduler_cfg(scheduler),
                            obs_encoder=enc_cfg, horizon="${horizon}", n_action_steps="${n_action_steps}",
