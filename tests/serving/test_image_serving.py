@@ -2,11 +2,6 @@
 each camera as uint8 [n_obs_steps, C, H, W], the `dpa serve` process and ServerThread answer
 real clients over 127.0.0.1 with the checkpoint's own predict_action on the same noise, and bad
 frames get a 4xx naming the input. Small frames and 3 denoising steps; every wait bounded."""
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,6 +20,7 @@ from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E4
 
 from tests.serving.test_serving import raw_post  # noqa: E402
 from tests.support.dp_image_checkpoint import CAMERA_SHAPE, as_float_obs, frames, make_image_checkpoint  # noqa: E402
+from tests.support.serve_process import dpa_serve  # noqa: E402
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 STEPS = 3
@@ -66,14 +62,8 @@ def test_dpa_serve_process_serves_frames(cameras, tmp_path):
     """`dpa serve --checkpoint` of a 1- and a 3-camera policy: a batch of 3 observations and a
     single one, seeded, equal load_checkpoint(...).predict_action on the same noise."""
     path, *_ = make_image_checkpoint(tmp_path, cameras=cameras, steps=STEPS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "diffusion_policy_accelerated.cli", "serve", "--device", "cpu",
-                                "--checkpoint", str(path), "--max-batch", "4", "--port", str(port)],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        with PolicyClient(f"http://127.0.0.1:{port}", timeout=60) as client:
+    with dpa_serve("--device", "cpu", "--checkpoint", str(path), "--max-batch", "4") as served:
+        with PolicyClient(served.url, timeout=60) as client:
             client.wait_ready(timeout=180)
             assert sorted(name for name, spec in client.spec.inputs.items() if spec.dtype == "uint8") == \
                 [f"camera_{i}" for i in range(cameras)]
@@ -85,13 +75,8 @@ def test_dpa_serve_process_serves_frames(cameras, tmp_path):
             assert one.shape == (8, 2)
             np.testing.assert_allclose(one, expected_actions(path, {k: v[:1] for k, v in obs.items()}, 6)[0],
                                        **TOLERANCE)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        log = process.stderr.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert f"{cameras} camera" in log and "dpa serve: stopped" in log, log
+    assert served.returncode == 0
+    assert f"{cameras} camera" in served.log and "dpa serve: stopped" in served.log, served.log
 
 
 def test_bad_frames_get_4xx_naming_the_input(two_cameras):

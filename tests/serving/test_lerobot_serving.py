@@ -4,9 +4,6 @@ LeRobot's preprocessor, its generate_actions (accelerated) and its postprocessor
 actions equal stock LeRobot's on the same observations and initial noise (DDIM, whose steps add
 no noise). Bad frames get a 4xx naming the input; without LeRobot the folder is refused at
 start-up, saying how to install it. Small frames, 3 DDIM steps; every wait bounded."""
-import os
-import signal
-import socket
 import subprocess
 import sys
 
@@ -28,6 +25,7 @@ from diffusion_policy_accelerated.serving.policies import PolicySource, load_pol
 from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E402
 
 from tests.serving.test_serving import raw_post  # noqa: E402
+from tests.support.serve_process import dpa_serve  # noqa: E402
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 STEPS = 3
@@ -142,14 +140,8 @@ def test_dpa_serve_process_serves_lerobot_frames(cameras, tmp_path):
     """`dpa serve --lerobot` of a 1- and a 2-camera policy: a batch of 3 observations and a
     single one, seeded, equal stock LeRobot's actions on the same initial noise."""
     folder = make_folder(tmp_path, cameras=cameras)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "diffusion_policy_accelerated.cli", "serve", "--device", "cpu",
-                                "--lerobot", str(folder), "--max-batch", "4", "--port", str(port)],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        with PolicyClient(f"http://127.0.0.1:{port}", timeout=60) as client:
+    with dpa_serve("--device", "cpu", "--lerobot", str(folder), "--max-batch", "4") as served:
+        with PolicyClient(served.url, timeout=60) as client:
             client.wait_ready(timeout=180)
             assert [name for name, spec in client.spec.inputs.items() if spec.dtype == "uint8"] == \
                 camera_names(cameras)
@@ -161,12 +153,8 @@ def test_dpa_serve_process_serves_lerobot_frames(cameras, tmp_path):
             assert one.shape == (8, ACTION_DIM)
             np.testing.assert_allclose(one, expected_actions(folder, {k: v[:1] for k, v in obs.items()}, 6)[0],
                                        **TOLERANCE)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        log = process.stderr.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
+    assert served.returncode == 0
+    log = served.log
     assert "served from camera frames" in log and f"{cameras} camera" in log and "dpa serve: stopped" in log, log
 
 

@@ -24,6 +24,7 @@ from diffusion_policy_accelerated.serving.client import PolicyClient  # noqa: E4
 from diffusion_policy_accelerated.serving.connections import ConnectionGuard  # noqa: E402
 from diffusion_policy_accelerated.serving.policies import PolicySource, load_policy  # noqa: E402
 from diffusion_policy_accelerated.serving.server import PolicyServer, ServerThread  # noqa: E402
+from tests.support.serve_process import free_port  # noqa: E402
 
 COND = 40  # the demo U-Net's global_cond width
 
@@ -159,12 +160,6 @@ def test_serve_flags_are_checked(flags, capsys):
     with pytest.raises(SystemExit):
         main(["serve", *flags])
     assert flags[0] in capsys.readouterr().err
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_queue(url, rows, timeout=60):

@@ -5,11 +5,7 @@ requests, timeouts on every wait."""
 import concurrent.futures
 import http.client
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -27,6 +23,7 @@ from diffusion_policy_accelerated.serving.protocol import ActRequest, RequestErr
 from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E402
 
 from tests.support import DEVICES  # noqa: E402
+from tests.support.serve_process import dpa_serve  # noqa: E402
 
 # Actions of a row computed in batches of different sizes: the same math, summed in other
 # orders by the batch's kernels (fp32).
@@ -477,24 +474,13 @@ def test_bad_instances(demo_policy):
 def test_dpa_serve_process(tmp_path):
     """The `dpa serve` command with two instances: warms both up, serves, and exits 0 on
     SIGTERM."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "diffusion_policy_accelerated.cli", "serve", "--device", "cpu",
-                                "--scheduler", "ddim", "--steps", "2", "--max-batch", "4", "--port", str(port),
-                                "--instances", "2"],
-                               stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        with PolicyClient(f"http://127.0.0.1:{port}", timeout=30) as client:
+    with dpa_serve("--device", "cpu", "--scheduler", "ddim", "--steps", "2", "--max-batch", "4",
+                   "--instances", "2") as served:
+        with PolicyClient(served.url, timeout=30) as client:
             client.wait_ready(timeout=120)
             assert client.act(observation(3)).shape == (3, 16, 2)
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-        log = process.stderr.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
+    assert served.returncode == 0
+    log = served.log
     assert "instance 2 of 2" in log and log.count("batch 4 ready (3/3") == 2 and "dpa serve: stopped" in log, log
 
 
