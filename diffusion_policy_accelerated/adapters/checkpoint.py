@@ -60,7 +60,7 @@ from ..sampling.finite import FiniteGuard, check_finite_option, named_arrays
 from ..sampling.picard import Picard
 from ..sampling.sampler import GraphedSampler
 from ..model.schedulers import DDIM_STEP_OPTIONS, SCHEDULER_CLASS_KINDS, DenoiseSchedule
-from .dp_encoder import ObsEncoder, build_obs_encoder, obs_keys
+from .dp_encoder import build_obs_encoder, obs_keys
 from .dp_hybrid_encoder import HYBRID_POLICY, build_hybrid_obs_encoder
 
 __all__ = ["load_checkpoint", "DiffusionPolicyCheckpoint", "unet_config_from_state_dict"]
