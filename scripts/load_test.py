@@ -4,26 +4,34 @@
     python scripts/load_test.py --clients 1 8 64 --malformed-every 5   # every 5th request malformed
     python scripts/load_test.py --ray-replicas 2 --kill-replica        # through Ray Serve, one replica killed
     python -m scripts.load_test --image-cameras 1 3 --clients 1 4      # an image policy from camera frames
+    python -m scripts.load_test --lerobot-cameras 1 --jpeg-quality 90  # LeRobot's, frames raw then as JPEG
 
 Starts `dpa serve` (or `dpa serve --ray-replicas N`) as a process of its own on 127.0.0.1,
-waits for its warm-up, then for each client count runs that many client processes (robots
-are separate machines: threads of one process would queue on its interpreter lock), each
-sending `--requests` requests one after another with fresh observations. The 1-client row is the
+waits for its warm-up, then for each client count runs that many client processes (robots are
+separate machines: threads of one process would queue on its interpreter lock), each sending
+`--requests` requests one after another with fresh observations. The 1-client row is the
 baseline: sequential batch-1 calls through the same server. Per row: action chunks per second
-and its ratio to the baseline, client-side p50 / p99 latency and the p99's ratio to a lone
-request's p50, the mean batch the server formed and the server's median compute time per batch, and the malformed requests mixed in (each
-must get a 4xx, every other request an action). With `--kill-replica`, one Ray Serve replica
-is killed in the middle of the largest row: its requests must still be answered (the client
-retries). Every run is bounded (fixed request counts, timeouts); the server is stopped at the
-end. Writes a JSON and, with `--plot`, a figure.
+and its ratio to the baseline, client-side p50 / p99 latency (from sending an encoded request
+to its decoded answer; the clients encode before the clock starts, as a robot would on its own
+computer) and the p99's ratio to a lone request's p50, the mean batch the server formed and
+the server's median compute time per batch, and the malformed requests mixed in (each must get
+a 4xx, every other request an action). With `--kill-replica`, one Ray Serve replica is killed
+in the middle of the largest row: its requests must still be answered (the client retries).
+Every run is bounded (fixed request counts, timeouts); the server is stopped at the end.
+Writes a JSON and, with `--plot`, a figure.
 
 `--image-cameras 1 3` serves, instead, a Diffusion Policy image checkpoint (random weights:
-the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`, and the tests'
-small U-Net, so that the rows show what frames, the protocol and the encoders cost) with 1,
-then 3, cameras, each sent as uint8 frames [n_obs_steps, C, H, W]; its rows add the bytes of
-one request. That checkpoint is built with the tests' helpers
-(tests/support/dp_image_checkpoint.py), so it runs from the repository's root as a module
-(`python -m scripts.load_test`).
+the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`, and Push-T's
+image U-Net, 512/1024/2048, or with `--image-unet small` the tests' small one, which shows what
+frames, the protocol and the encoders cost) with 1, then 3, cameras, each sent as uint8 frames
+[n_obs_steps, C, H, W]; `--lerobot-cameras 1 3` does the same for a LeRobot DiffusionPolicy
+folder in LeRobot's default configuration (Push-T's: 96 x 96 frames, crop 84 x 84, U-Net
+512/1024/2048), served through LeRobot's processors (`dpa serve --lerobot`; needs LeRobot).
+Their rows add the bytes of one request. `--jpeg-quality Q` measures every row a second time
+on the same server with the cameras sent as JPEG of quality Q (the client encodes them). The
+frames are smooth random images (a camera's frames are smoother than noise, which JPEG cannot
+compress). Those policies are built with the tests' helpers (tests/support), so these options
+run from the repository's root as a module (`python -m scripts.load_test`).
 """
 import argparse
 import concurrent.futures
@@ -61,13 +69,21 @@ def malformed_body(spec, k):
     return protocol.encode_tensors(inputs)
 
 
-def robot(url, requests, malformed_every, seed, start_at):
-    """One client's closed loop, from time.time() == start_at: (latencies of its actions in
-    s, batch rows, server compute ms, malformed sent, malformed rejected with 4xx, retries)."""
+def robot(url, requests, malformed_every, seed, start_at, jpeg_quality=None):
+    """One client's closed loop, from time.time() == start_at, its cameras sent as JPEG of
+    `jpeg_quality` where given: (latencies of its actions in s, batch rows, server compute ms,
+    malformed sent, malformed rejected with 4xx, retries)."""
     rng = np.random.default_rng(seed)
     latencies, rows, compute, sent_bad, rejected = [], [], [], 0, 0
     with PolicyClient(url, timeout=30, deadline=120) as client:
         spec = client.spec
+        if jpeg_quality:
+            import torch
+
+            # The clients share the server's machine: one thread each for their encoding, and
+            # torch imported before the row starts.
+            torch.set_num_threads(1)
+            client.request_body(observation(spec, rng), None, jpeg_quality)
         time.sleep(max(0.0, start_at - time.time()))
         for k in range(requests):
             if malformed_every and k % malformed_every == malformed_every - 1:
@@ -75,9 +91,10 @@ def robot(url, requests, malformed_every, seed, start_at):
                 status, _ = client._call("POST", "/v1/act", malformed_body(spec, k), retry=False)
                 rejected += 400 <= status < 500
                 continue
-            obs = observation(spec, rng)
+            # Encoded before the clock starts: a robot encodes on its own computer, these on the server's.
+            body = client.request_body(observation(spec, rng), None, jpeg_quality)
             start = time.perf_counter()
-            client.act(obs)
+            client.act_body(body)
             latencies.append(time.perf_counter() - start)
             rows.append(client.last_timings.get("batch_rows", 1))
             compute.append(client.last_timings.get("compute_ms", float("nan")))
@@ -85,17 +102,31 @@ def robot(url, requests, malformed_every, seed, start_at):
 
 
 def observation(spec, rng):
-    """Fresh inputs of the spec: uint8 frames (0-255) for camera inputs, normal floats otherwise."""
-    return {name: rng.integers(0, 256, s.shape, dtype=np.uint8) if s.dtype == "uint8"
+    """Fresh inputs of the spec: smooth uint8 frames for camera inputs, normal floats otherwise."""
+    return {name: smooth_frames(s.shape, rng) if s.dtype == "uint8"
             else rng.standard_normal(s.shape).astype(np.float32) for name, s in spec.inputs.items()}
 
 
-def run_row(url, clients, requests, malformed_every, kill=None):
+def smooth_frames(shape, rng):
+    """uint8 frames of `shape` [..., C, H, W]: a random 8 x 8 grid per channel, bilinearly
+    stretched to H x W, with a little noise (+-4)."""
+    *lead, h, w = shape
+    grid = rng.uniform(0, 255, (*lead, 8, 8))
+    ys, xs = np.linspace(0, 7, h), np.linspace(0, 7, w)
+    y0, x0 = np.minimum(ys.astype(int), 6), np.minimum(xs.astype(int), 6)
+    fy, fx = (ys - y0)[:, None], (xs - x0)[None, :]
+    top = grid[..., y0, :][..., x0] * (1 - fx) + grid[..., y0, :][..., x0 + 1] * fx
+    bottom = grid[..., y0 + 1, :][..., x0] * (1 - fx) + grid[..., y0 + 1, :][..., x0 + 1] * fx
+    image = top * (1 - fy) + bottom * fy + rng.uniform(-4, 4, (*lead, h, w))
+    return np.clip(image, 0, 255).round().astype(np.uint8)
+
+
+def run_row(url, clients, requests, malformed_every, kill=None, jpeg_quality=None):
     # fork: the clients need nothing but this module's imports (numpy, safetensors).
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
         start_at = time.time() + 1.0 + 0.02 * clients  # every process started and connected by then
-        futures = [pool.submit(robot, url, requests, malformed_every, 1000 * clients + i, start_at)
+        futures = [pool.submit(robot, url, requests, malformed_every, 1000 * clients + i, start_at, jpeg_quality)
                    for i in range(clients)]
         if kill is not None:
             time.sleep(max(0.0, start_at - time.time()))
@@ -117,6 +148,7 @@ def start_server(args, port):
     command += ["--steps", str(args.steps)] if args.steps else []
     command += ["--device", args.device] if args.device else []
     command += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    command += ["--lerobot", args.lerobot] if args.lerobot else []
     command += ["--ray-replicas", str(args.ray_replicas)] if args.ray_replicas else []
     command += ["--instances", str(args.instances)] if args.instances else []
     print("starting:", " ".join(command[2:]), flush=True)
@@ -141,41 +173,64 @@ def kill_a_replica():
 
 
 def measure(args, label):
-    """Start the server of `args`, run a row per client count, stop it: (spec, rows)."""
+    """Start the server of `args`, run a row per client count (and, with args.jpeg_quality,
+    each once more with the cameras sent as JPEG), stop it: [(spec, rows)], one per encoding."""
     server = start_server(args, args.port)
     url = f"http://127.0.0.1:{args.port}"
+    runs = []
     try:
         with PolicyClient(url) as client:
             client.wait_ready(timeout=900)
             spec = client.spec
+            cameras = any(s.dtype == "uint8" for s in spec.inputs.values())
+            encodings = [None] + ([args.jpeg_quality] if args.jpeg_quality and cameras else [])
+            sizes = [len(client.request_body(observation(spec, np.random.default_rng(0)), None, q)) for q in encodings]
         print(f"serving {spec.info.get('policy')} ({spec.info.get('scheduler', '').upper()}-{spec.info.get('steps')}, "
-              f"{spec.info.get('dtype')} on {spec.info.get('device_name')}, torch {spec.info.get('torch')})", flush=True)
-        request_bytes = len(protocol.encode_request(observation(spec, np.random.default_rng(0))))
-        print(f"{label + ': ' if label else ''}{request_bytes} bytes per request (one observation)", flush=True)
-        header = (f"{'clients':>7} {'actions':>7} {'chunks/s':>9} {'x seq':>6} {'p50 ms':>8} {'p99 ms':>8} "
-                  f"{'p99/lone':>8} {'batch':>6} {'run ms':>7} {'bad 4xx':>8} {'retries':>7}")
-        print(header, flush=True)
-        rows = []
-        for clients in args.clients:
-            kill = kill_a_replica() if args.kill_replica and clients == max(args.clients) else None
-            row = run_row(url, clients, args.requests, args.malformed_every, kill)
-            row.update(label=label, request_bytes=request_bytes)
-            base = rows[0] if rows else row
-            row["x_sequential"] = row["chunks_per_s"] / base["chunks_per_s"]
-            row["p99_over_lone"] = row["p99_ms"] / base["p50_ms"]
-            rows.append(row)
-            print(f"{clients:>7} {row['actions']:>7} {row['chunks_per_s']:>9.1f} {row['x_sequential']:>6.1f} "
-                  f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['p99_over_lone']:>8.2f} {row['mean_batch']:>6.1f} {row['compute_ms']:>7.2f} "
-                  f"{row['rejected']:>4}/{row['malformed']:<3} {row['retries']:>7}", flush=True)
-            if row["rejected"] != row["malformed"]:
-                raise SystemExit(f"{row['malformed'] - row['rejected']} malformed requests were not answered with 4xx")
+              f"{spec.info.get('dtype')} on {spec.info.get('device_name')}, torch {spec.info.get('torch')})",
+              flush=True)
+        for quality, request_bytes in zip(encodings, sizes):
+            name = ", ".join(x for x in (label, quality and f"JPEG {quality}") if x)
+            print(f"{name + ': ' if name else ''}{request_bytes} bytes per request (one observation)", flush=True)
+            header = (f"{'clients':>7} {'actions':>7} {'chunks/s':>9} {'x seq':>6} {'p50 ms':>8} {'p99 ms':>8} "
+                      f"{'p99/lone':>8} {'batch':>6} {'run ms':>7} {'bad 4xx':>8} {'retries':>7}")
+            print(header, flush=True)
+            rows = []
+            for clients in args.clients:
+                kill = kill_a_replica() if args.kill_replica and clients == max(args.clients) else None
+                row = run_row(url, clients, args.requests, args.malformed_every, kill, quality)
+                row.update(label=name, request_bytes=request_bytes, jpeg_quality=quality)
+                base = rows[0] if rows else row
+                row["x_sequential"] = row["chunks_per_s"] / base["chunks_per_s"]
+                row["p99_over_lone"] = row["p99_ms"] / base["p50_ms"]
+                rows.append(row)
+                print(f"{clients:>7} {row['actions']:>7} {row['chunks_per_s']:>9.1f} {row['x_sequential']:>6.1f} "
+                      f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['p99_over_lone']:>8.2f} "
+                      f"{row['mean_batch']:>6.1f} {row['compute_ms']:>7.2f} "
+                      f"{row['rejected']:>4}/{row['malformed']:<3} {row['retries']:>7}", flush=True)
+                if row["rejected"] != row["malformed"]:
+                    raise SystemExit(f"{row['malformed'] - row['rejected']} malformed requests were not answered "
+                                     f"with 4xx")
+            runs.append((spec, rows))
     finally:
         server.terminate()
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    return spec, rows
+    return runs
+
+
+def tests_helper(module):
+    """A module of tests/support, which builds the image and LeRobot policies."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"tests.support.{module}")
+    except ModuleNotFoundError as error:
+        if not error.name.startswith("tests"):
+            raise
+        sys.exit("--image-cameras and --lerobot-cameras build their policies with the tests' helpers: run this from "
+                 "the repository's root as a module, python -m scripts.load_test ...")
 
 
 def image_checkpoint(folder, cameras, args):
@@ -183,18 +238,30 @@ def image_checkpoint(folder, cameras, args):
     random weights (the tests' helper), its path."""
     import pathlib
 
-    try:
-        from tests.support.dp_image_checkpoint import make_image_checkpoint
-    except ModuleNotFoundError:
-        sys.exit("--image-cameras builds its checkpoint with the tests' helpers: run it from the repository's root "
-                 "as a module, python -m scripts.load_test --image-cameras ...")
+    from diffusion_policy_accelerated.model.configs import UNETS
 
+    make_image_checkpoint = tests_helper("dp_image_checkpoint").make_image_checkpoint
     c, h, w = args.image_size
     crop = (h - h // 8, w - w // 8)  # DP's real-robot ratio (216 x 288 of 240 x 320)
+    unet = None if args.image_unet == "small" else {
+        k: v for k, v in UNETS["image"].items() if k not in ("input_dim", "global_cond_dim")}
     path, *_ = make_image_checkpoint(pathlib.Path(folder), cameras, name=f"image_{cameras}.ckpt",
-                                     scheduler=args.scheduler, steps=args.steps or 10, camera_shape=(c, h, w),
-                                     resize_shape=None, crop_shape=crop)
+                                     scheduler=args.scheduler, steps=args.steps or 100, camera_shape=(c, h, w),
+                                     resize_shape=None, crop_shape=crop, unet=unet)
     return str(path)
+
+
+def lerobot_folder(folder, cameras):
+    """A LeRobot DiffusionPolicy folder in LeRobot's default configuration with `cameras`
+    cameras and random weights (the tests' helper), its path."""
+    import pathlib
+
+    try:
+        import lerobot.policies.diffusion.modeling_diffusion  # noqa: F401
+    except ImportError as error:
+        sys.exit(f"--lerobot-cameras needs LeRobot ({error}): pip install lerobot")
+    path = pathlib.Path(folder) / f"lerobot_{cameras}"
+    return str(tests_helper("lerobot_folder").make_folder(path, cameras, small=False))
 
 
 def main(argv=None):
@@ -206,11 +273,19 @@ def main(argv=None):
     parser.add_argument("--scheduler", default="ddpm", choices=["ddpm", "ddim"])
     parser.add_argument("--steps", type=int)
     parser.add_argument("--device")
-    parser.add_argument("--checkpoint", help="serve this Diffusion Policy checkpoint instead of the demo")
-    parser.add_argument("--image-cameras", type=int, nargs="+", help="serve a random image checkpoint with this many "
-                        "cameras (each count a run of its own), sent as uint8 frames")
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--checkpoint", help="serve this Diffusion Policy checkpoint instead of the demo")
+    what.add_argument("--lerobot", metavar="FOLDER", help="serve this LeRobot DiffusionPolicy folder instead")
+    what.add_argument("--image-cameras", type=int, nargs="+", help="serve a random image checkpoint with this many "
+                      "cameras (each count a run of its own), sent as uint8 frames")
+    what.add_argument("--lerobot-cameras", type=int, nargs="+", help="serve a random LeRobot folder (its default "
+                      "configuration) with this many cameras (each count a run of its own)")
     parser.add_argument("--image-size", type=int, nargs=3, default=[3, 96, 96], metavar=("C", "H", "W"),
                         help="the image checkpoint's frames (default 3 96 96)")
+    parser.add_argument("--image-unet", choices=["pusht", "small"], default="pusht",
+                        help="the image checkpoint's U-Net: Push-T's (default) or the tests' small one")
+    parser.add_argument("--jpeg-quality", type=int, help="measure each row again with the cameras sent as JPEG of "
+                        "this quality (1-100)")
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--instances", type=int, help="dpa serve --instances: policy copies whose batches "
@@ -222,30 +297,37 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.kill_replica and not args.ray_replicas:
         parser.error("--kill-replica needs --ray-replicas")
-    if args.image_cameras and (args.checkpoint or min(args.image_cameras) < 1):
-        parser.error("--image-cameras takes positive counts, and no --checkpoint")
+    for option in ("image_cameras", "lerobot_cameras"):
+        if getattr(args, option) and min(getattr(args, option)) < 1:
+            parser.error(f"--{option.replace('_', '-')} takes positive counts")
+    if args.jpeg_quality is not None and not 1 <= args.jpeg_quality <= 100:
+        parser.error(f"--jpeg-quality must be 1-100, got {args.jpeg_quality}")
 
     runs = []
-    if args.image_cameras:
+    if args.image_cameras or args.lerobot_cameras:
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="dpa_load_test_")
         try:
-            for cameras in args.image_cameras:
-                args.checkpoint = image_checkpoint(folder, cameras, args)
-                runs.append(measure(args, f"{cameras} camera{'s' if cameras > 1 else ''}"))
+            for cameras in args.image_cameras or args.lerobot_cameras:
+                if args.image_cameras:
+                    args.checkpoint = image_checkpoint(folder, cameras, args)
+                else:
+                    args.lerobot = lerobot_folder(folder, cameras)
+                runs += measure(args, f"{cameras} camera{'s' if cameras > 1 else ''}")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        c, h, w = args.image_size
-        print(f"\nimage policy from uint8 frames ({c} x {h} x {w}, a ResNet18 per camera), "
+        c, h, w = args.image_size if args.image_cameras else (3, 96, 96)
+        what = ("Diffusion Policy image policy" if args.image_cameras else "LeRobot DiffusionPolicy")
+        print(f"\n{what} from uint8 frames ({c} x {h} x {w}, a ResNet18 per camera), "
               f"{runs[0][0].info.get('device_name')}:")
-        print(f"{'cameras':>9} {'bytes/req':>10} {'clients':>7} {'chunks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+        print(f"{'cameras':>18} {'bytes/req':>10} {'clients':>7} {'chunks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
         for _, run_rows in runs:
             for row in run_rows:
-                print(f"{row['label']:>9} {row['request_bytes']:>10} {row['clients']:>7} {row['chunks_per_s']:>9.1f} "
-                      f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
+                print(f"{row['label']:>18} {row['request_bytes']:>10} {row['clients']:>7} "
+                      f"{row['chunks_per_s']:>9.1f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
     else:
-        runs.append(measure(args, None))
+        runs += measure(args, None)
     spec, rows = runs[-1]
     with open(args.json, "w") as f:
         json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "instances": args.instances,

@@ -83,6 +83,20 @@ class PolicyClient:
         spec's dtype; `seed` fixes the noise. `jpeg_quality` (1-100) sends every camera input,
         or those it maps to a quality, as JPEG (torchvision's encode_jpeg; the server decodes
         them): fewer bytes, lossy. The server's timings land in `last_timings`."""
+        return self.act_body(self.request_body(observation, seed, jpeg_quality))
+
+    def act_body(self, body: bytes) -> np.ndarray:
+        """The action chunk(s) for a request body made by `request_body` (to encode once
+        and send again, or to encode off a timed path)."""
+        if not isinstance(body, (bytes, bytearray)):
+            raise TypeError(f"body must be the bytes request_body returns, got {type(body).__name__}")
+        _, payload = self._call("POST", "/v1/act", body)
+        action, self.last_timings = decode_action(payload)
+        return action
+
+    def request_body(self, observation: Mapping[str, np.ndarray], seed: Optional[int] = None,
+                     jpeg_quality: Union[None, int, Mapping[str, int]] = None) -> bytes:
+        """The bytes `act` sends for these arguments (checked as `act` says)."""
         spec = self.spec
         unknown = sorted(set(observation) - set(spec.inputs))
         if unknown:
@@ -107,11 +121,8 @@ class PolicyClient:
 
             jpeg = {name: encode_jpeg_frames(observation[name], quality, name) for name, quality in qualities.items()
                     if name in observation}
-        body = encode_request({k: np.asarray(v, dtype=spec.inputs[k].dtype) for k, v in observation.items()
+        return encode_request({k: np.asarray(v, dtype=spec.inputs[k].dtype) for k, v in observation.items()
                                if not jpeg or k not in jpeg}, seed, jpeg)
-        status, payload = self._call("POST", "/v1/act", body)
-        action, self.last_timings = decode_action(payload)
-        return action
 
     def health(self) -> Tuple[int, dict]:
         """(status, body) of GET /health, without retrying: 200 when serving."""

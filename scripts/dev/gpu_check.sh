@@ -124,7 +124,7 @@ fi
 
 if want serve; then
   echo "== serving: dpa serve under 1-64 concurrent clients on loopback (DPA_SERVE_ARGS)"
-  python3 scripts/load_test.py --json "$WORK/load_test.json" --plot "$WORK/serving.png" ${DPA_SERVE_ARGS:-} \
+  python3 -m scripts.load_test --json "$WORK/load_test.json" --plot "$WORK/serving.png" ${DPA_SERVE_ARGS:-} \
     2>"$WORK/serve_server.log" | tee "$WORK/load_test.txt" || status=1
 fi
 

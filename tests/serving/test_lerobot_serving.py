@@ -15,9 +15,6 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("safetensors")
 modeling = pytest.importorskip("lerobot.policies.diffusion.modeling_diffusion",
                                reason="LeRobot is not installed (requirements-lerobot.txt)")
-from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
-from lerobot.policies.diffusion.configuration_diffusion import DiffusionConfig  # noqa: E402
-from lerobot.policies.diffusion.processor_diffusion import make_diffusion_pre_post_processors  # noqa: E402
 
 from diffusion_policy_accelerated.serving import lerobot_policy, protocol  # noqa: E402
 from diffusion_policy_accelerated.serving.client import PolicyClient, RequestRejected  # noqa: E402
@@ -25,48 +22,10 @@ from diffusion_policy_accelerated.serving.policies import PolicySource, load_pol
 from diffusion_policy_accelerated.serving.server import ServerThread  # noqa: E402
 
 from tests.serving.test_serving import raw_post  # noqa: E402
+from tests.support.lerobot_folder import ACTION_DIM, FRAME, HORIZON, STEPS, TO, camera_names, make_folder  # noqa: E402
 from tests.support.serve_process import dpa_serve  # noqa: E402
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-4)
-STEPS = 3
-FRAME = (3, 96, 96)  # the crop (84 x 84) leaves ResNet18 3 x 3 positions for spatial softmax
-TO, HORIZON, ACTION_DIM = 2, 16, 2
-
-
-def camera_names(cameras):
-    return [f"observation.images.cam_{i}" for i in range(cameras)]
-
-
-def make_folder(path, cameras=1, env_state=False, seed=0):
-    """A small LeRobot image policy saved as LeRobot 0.4.4 saves one: save_pretrained, and the
-    pre- and postprocessor pipelines with normalisation statistics beside it."""
-    inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
-    for name in camera_names(cameras):
-        inputs[name] = PolicyFeature(type=FeatureType.VISUAL, shape=FRAME)
-    if env_state:
-        inputs["observation.environment_state"] = PolicyFeature(type=FeatureType.ENV, shape=(3,))
-    config = DiffusionConfig(input_features=inputs,
-                             output_features={"action": PolicyFeature(type=FeatureType.ACTION, shape=(ACTION_DIM,))},
-                             down_dims=(16, 32), diffusion_step_embed_dim=16, n_groups=8, noise_scheduler_type="DDIM",
-                             num_inference_steps=STEPS, spatial_softmax_num_keypoints=4,
-                             pretrained_backbone_weights=None, use_group_norm=True, crop_shape=(84, 84),
-                             horizon=HORIZON, n_action_steps=8, n_obs_steps=TO, device="cpu")
-    torch.manual_seed(seed)
-    policy = modeling.DiffusionPolicy(config).eval()
-    with torch.no_grad():
-        for parameter in policy.diffusion.unet.parameters():
-            parameter.mul_(3.0)  # every layer matters
-    stats = {"observation.state": {"min": torch.tensor([-1.0, -2.0]), "max": torch.tensor([1.0, 3.0])},
-             "action": {"min": torch.tensor([-5.0, 0.0]), "max": torch.tensor([5.0, 10.0])}}
-    for i, name in enumerate(camera_names(cameras)):
-        stats[name] = {"mean": torch.tensor([0.4, 0.5, 0.6 - 0.1 * i]).view(3, 1, 1),
-                       "std": torch.tensor([0.2, 0.25, 0.3]).view(3, 1, 1)}
-    if env_state:
-        stats["observation.environment_state"] = {"min": -torch.ones(3), "max": torch.ones(3)}
-    pre, post = make_diffusion_pre_post_processors(config, dataset_stats=stats)
-    for thing in (policy, pre, post):
-        thing.save_pretrained(path)
-    return path
 
 
 def observations(cameras, batch, env_state=False, seed=1):

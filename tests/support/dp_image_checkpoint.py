@@ -47,13 +47,13 @@ def reference_encoder(shape_meta, cfg, seed=0):
     return encoder.eval()
 
 
-def unet_and_state(encoder, features, fields, glob):
-    """A random reference U-Net for `features` encoder features per observation step (global
-    conditioning, or inpainting where not `glob`) and the policy's state: the U-Net's weights,
-    the encoder's, and a normaliser of `fields` ({name: width, or None for a camera: DP's image
-    range normaliser, [0, 1] -> [-1, 1]})."""
+def unet_and_state(encoder, features, fields, glob, unet=None):
+    """A random reference U-Net (SMALL_UNET's widths, or `unet`'s) for `features` encoder
+    features per observation step (global conditioning, or inpainting where not `glob`) and
+    the policy's state: the U-Net's weights, the encoder's, and a normaliser of `fields`
+    ({name: width, or None for a camera: DP's image range normaliser, [0, 1] -> [-1, 1]})."""
     unet_kwargs = dict(input_dim=ACTION_DIM if glob else ACTION_DIM + features, local_cond_dim=None,
-                       global_cond_dim=2 * features if glob else None, **SMALL_UNET)
+                       global_cond_dim=2 * features if glob else None, **(unet or SMALL_UNET))
     ref = randomize_(RefUnet(**unet_kwargs), 3).eval()
     state = {"_dummy_variable": torch.empty(0)}
     state.update({"model." + k: v.clone() for k, v in ref.state_dict().items()})
@@ -73,10 +73,11 @@ def unet_and_state(encoder, features, fields, glob):
 
 
 def make_image_checkpoint(tmp_path, cameras=1, name="image.ckpt", obs_mode="global", scheduler="ddpm", steps=3,
-                          camera_shape=CAMERA_SHAPE, **encoder_options):
+                          camera_shape=CAMERA_SHAPE, unet=None, **encoder_options):
     """(path, cfg (resolved), reference encoder, reference U-Net, policy state) of a
     DiffusionUnetImagePolicy checkpoint with `cameras` cameras camera_0... and a low-dim
-    robot_eef_pose; n_obs_steps 2, horizon 16, n_action_steps 8; no EMA copy."""
+    robot_eef_pose; n_obs_steps 2, horizon 16, n_action_steps 8; no EMA copy. `unet`: the
+    U-Net's widths and options (default SMALL_UNET)."""
     shape_meta = image_shape_meta(cameras, camera_shape)
     enc_cfg = encoder_cfg(**encoder_options)
     encoder = reference_encoder(shape_meta, enc_cfg)
@@ -84,12 +85,13 @@ def make_image_checkpoint(tmp_path, cameras=1, name="image.ckpt", obs_mode="glob
         features = encoder({k: torch.zeros((1,) + tuple(v["shape"])) for k, v in shape_meta["obs"].items()}).shape[-1]
     glob = obs_mode == "global"
     fields = {**{f"camera_{i}": None for i in range(cameras)}, "robot_eef_pose": LOW_DIM, "action": ACTION_DIM}
-    ref, state = unet_and_state(encoder, features, fields, glob)
+    unet = unet or SMALL_UNET
+    ref, state = unet_and_state(encoder, features, fields, glob, unet)
     cfg = dict(name="train_diffusion_unet_image", horizon=16, n_obs_steps=2, n_action_steps=8, shape_meta=shape_meta,
                policy=dict(_target_=POLICY_TARGET, shape_meta="${shape_meta}", noise_scheduler=scheduler_cfg(scheduler),
                            obs_encoder=enc_cfg, horizon="${horizon}", n_action_steps="${n_action_steps}",
                            n_obs_steps="${n_obs_steps}", num_inference_steps=steps, obs_as_global_cond=glob,
-                           **SMALL_UNET))
+                           **unet))
     path = save_workspace(tmp_path / name, cfg, {"model": state})
     resolved = {**cfg, "policy": {**cfg["policy"], "horizon": 16, "n_action_steps": 8, "n_obs_steps": 2,
                                   "shape_meta": shape_meta, "oa_step_convention": True}}

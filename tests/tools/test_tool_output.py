@@ -1,8 +1,9 @@
 """What the tools print: kernel tables a terminal can show (scripts/profile_action.py through
-tools/profiling.py, whole names kept in its CSV), and examples/robot_loop.py telling the user
-when chunks keep arriving late."""
+tools/profiling.py, whole names kept in its CSV), examples/robot_loop.py telling the user
+when chunks keep arriving late, and scripts/load_test.py's camera-frame rows."""
 import csv
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -86,3 +87,34 @@ def test_robot_loop_says_once_what_to_lower(monkeypatch, capsys, seconds, warned
         assert "dpa serve --steps 10" in err and "--scheduler ddim" in err and "--steps-per-chunk" in err
         measured = float(err.split("a chunk took ")[1].split(" ms")[0])
         assert 50 <= measured < 1000
+
+
+def test_load_test_sends_frames_raw_and_as_jpeg(tmp_path, capsys):
+    """scripts/load_test.py's image rows against a real `dpa serve` process: an image checkpoint
+    (the small U-Net, DDPM-2), 1 and 2 clients, the frames raw and then as JPEG on the same
+    server. Every request is answered; the JPEG request is the smaller one by far (the frames
+    are smooth, as a camera's are)."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("torchvision")
+    from scripts import load_test
+    from tests.support.serve_process import free_port
+
+    out = tmp_path / "load_test.json"
+    load_test.main(["--image-cameras", "1", "--image-unet", "small", "--clients", "1", "2", "--requests", "2",
+                    "--steps", "2", "--dtype", "float32", "--max-batch", "2", "--jpeg-quality", "90",
+                    "--port", str(free_port()), "--json", str(out)])
+    raw, jpeg = (run["rows"] for run in json.loads(out.read_text())["runs"])
+    assert [row["clients"] for row in raw + jpeg] == [1, 2, 1, 2]
+    assert all(row["actions"] == 2 * row["clients"] and row["retries"] == 0 for row in raw + jpeg)
+    assert raw[0]["jpeg_quality"] is None and jpeg[0]["jpeg_quality"] == 90
+    assert raw[0]["request_bytes"] > 2 * 3 * 96 * 96 > 4 * jpeg[0]["request_bytes"]
+    assert "1 camera, JPEG 90" in capsys.readouterr().out
+
+
+def test_load_test_frames_are_smooth_uint8():
+    from scripts.load_test import smooth_frames
+
+    frames = smooth_frames((2, 3, 40, 56), np.random.default_rng(0))
+    assert frames.shape == (2, 3, 40, 56) and frames.dtype == np.uint8 and frames.std() > 20
+    # Neighbouring pixels differ by little (noise, which JPEG cannot compress, would by ~85).
+    assert np.abs(np.diff(frames.astype(int), axis=-1)).mean() < 12
