@@ -1,9 +1,12 @@
 """End-to-end predict_action latency (what a robot waits for), side by side, for Diffusion
 Policy's Push-T lowdim and image policies (ResNet18-GroupNorm encoder per camera, 96x96 images
-centre-cropped to 84x84, 2 observation steps, horizon 16) and its Push-T lowdim transformer
-policy ("transformer": TransformerForDiffusion with 8 layers, 4 heads, width 256, causal
-attention, observations as condition tokens, horizon 10), which accelerate() runs by the
-generic path (the transformer as it is, in the graph with this package's denoise step):
+centre-cropped to 84x84, 2 observation steps, horizon 16), its Push-T hybrid image policy
+("hybrid": robomimic's own ObservationEncoder, a VisualCore of ResNet18Conv, SpatialSoftmax
+with 32 keypoints and 64 features, with DP's GroupNorm and fixed-crop swaps; the U-Net
+512/1024/2048 with 128-wide step embedding; needs robomimic) and its Push-T lowdim
+transformer policy ("transformer": TransformerForDiffusion with 8 layers, 4 heads, width 256,
+causal attention, observations as condition tokens, horizon 10), which accelerate() runs by
+the generic path (the transformer as it is, in the graph with this package's denoise step):
 
   eager         the policy as Diffusion Policy runs it: encoder, PyTorch U-Net and diffusers'
                 scheduler, launch by launch
@@ -29,7 +32,7 @@ PyTorch's default precision settings, as a policy runs by default: cuDNN's convo
 encoder's) may use TF32, matrix products do not (--no-tf32: neither).
 Writes JSON and a PNG plot.
 
-    python -m scripts.benchmark_policy [--policy lowdim image1 image3 transformer] [--batch 1 8]
+    python -m scripts.benchmark_policy [--policy lowdim image1 image3 hybrid transformer] [--batch 1 8]
                                        [--schedule DDIM-16 DDPM-100] [--no-tf32] [--out DIR]
 
 (run from the repository's root, as a module: it builds the policies from tests/support's copy
@@ -50,9 +53,12 @@ from tests.support.dp_policies import ImagePolicy, LowdimPolicy, ResNetObsEncode
 from tests.support.dp_transformer import TransformerForDiffusion, TransformerLowdimPolicy
 
 SCHEDULES = {"DDIM-16": (DDIMScheduler, 16), "DDPM-100": (DDPMScheduler, 100)}
-POLICIES = {"lowdim": 0, "image1": 1, "image3": 3, "transformer": 0}  # cameras
+POLICIES = {"lowdim": 0, "image1": 1, "image3": 3, "hybrid": 1, "transformer": 0}  # cameras
 SIZES = Sizes(horizon=HORIZON, n_obs_steps=2, n_action_steps=8, action_dim=2, obs_dim=20)
 IMAGE, CROP = (3, 96, 96), 84
+# Diffusion Policy's Push-T hybrid policy's observations (its train_diffusion_unet_hybrid workspace).
+HYBRID_SHAPE_META = {"obs": {"image": {"shape": list(IMAGE), "type": "rgb"},
+                             "agent_pos": {"shape": [2], "type": "low_dim"}}, "action": {"shape": [2]}}
 # Diffusion Policy's Push-T lowdim transformer (its train_diffusion_transformer_lowdim workspace).
 TRANSFORMER_HORIZON = 10
 TRANSFORMER = dict(n_layer=8, n_head=4, n_emb=256, p_drop_emb=0.0, p_drop_attn=0.01, causal_attn=True,
@@ -75,6 +81,18 @@ def make_policy(name, schedule):
     if cameras == 0:
         unet = ConditionalUnet1D(**UNETS["lowdim"])
         policy = LowdimPolicy(unet, scheduler, "global", steps, SIZES)
+    elif name == "hybrid":
+        try:
+            from tests.support.dp_hybrid_checkpoint import robomimic_encoder
+            encoder = robomimic_encoder(HYBRID_SHAPE_META, crop_shape=(CROP, CROP))
+        except ImportError as error:
+            raise SystemExit(f"--policy hybrid needs robomimic ({error}): pip install --no-deps robomimic==0.3.0 "
+                             f"termcolor") from error
+        feature_dim = encoder.output_shape()[0]
+        # DP's hybrid Push-T U-Net (train_diffusion_unet_hybrid_workspace.yaml), which LeRobot's default copies.
+        unet = ConditionalUnet1D(**{**UNETS["lerobot"], "global_cond_dim": feature_dim * SIZES.n_obs_steps})
+        policy = ImagePolicy(unet, scheduler, "global", steps, SIZES, encoder, feature_dim,
+                             {key: tuple(value["shape"]) for key, value in HYBRID_SHAPE_META["obs"].items()})
     else:
         keys = [f"camera{i}" for i in range(cameras)]
         feature_dim = 512 * cameras + 2
@@ -90,6 +108,9 @@ def make_obs(name, batch, seed):
     steps = (batch, SIZES.n_obs_steps)
     if POLICIES[name] == 0:
         obs = {"obs": torch.randn(*steps, SIZES.obs_dim, generator=generator)}
+    elif name == "hybrid":
+        obs = {"image": torch.rand(*steps, *IMAGE, generator=generator),
+               "agent_pos": torch.randn(*steps, 2, generator=generator)}
     else:
         obs = {f"camera{i}": torch.rand(*steps, *IMAGE, generator=generator) for i in range(POLICIES[name])}
         obs["agent_pos"] = torch.randn(*steps, 2, generator=generator)

@@ -1,8 +1,9 @@
 """accelerate()'s whole-call graph (policy_graph.py): normalisation, the observation encoder and
 the denoising loop of `predict_action` as one CUDA graph replay, on Diffusion Policy's image
 policy with its real encoder architecture (torchvision's ResNet18 with GroupNorm, one per
-camera) and its real-robot configuration (Diffusion Policy's MultiImageObsEncoder with
-torchvision's Resize and ImageNet Normalize, and a crop); and what it refuses to capture."""
+camera), its real-robot configuration (Diffusion Policy's MultiImageObsEncoder with
+torchvision's Resize and ImageNet Normalize, and a crop) and its hybrid policy's (robomimic's
+ObservationEncoder); and what it refuses to capture."""
 import copy
 import warnings
 
@@ -117,6 +118,52 @@ def test_real_robot_configuration_made_capturable_gives_the_policys_actions(came
     for call, batch in enumerate([1, 3]):
         obs = real_robot_obs(reference, batch, seed=call)
         assert max_abs_difference(predict(accelerated, obs, call), predict(reference, obs, call)) <= ACTION_TOLERANCE
+
+
+def hybrid_policy(cameras, device):
+    """Diffusion Policy's hybrid image policy (DiffusionUnetHybridImagePolicy) with robomimic's
+    own ObservationEncoder (VisualCore: ResNet18Conv, SpatialSoftmax, a linear layer per camera)
+    and DP's GroupNorm and fixed-crop swaps, `cameras` cameras and two low-dim keys, DDIM-8."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pytest.importorskip("robomimic.models.obs_nets")  # pip install --no-deps robomimic==0.3.0 termcolor
+    from tests.support.dp_hybrid_checkpoint import hybrid_shape_meta, robomimic_encoder
+
+    shape_meta = hybrid_shape_meta(cameras)
+    encoder = robomimic_encoder(shape_meta)
+    feature_dim = encoder.output_shape()[0]
+    torch.manual_seed(0)
+    unet = randomize_(RefUnet(**UNET_SIZE, input_dim=SIZES.action_dim, global_cond_dim=feature_dim * SIZES.n_obs_steps,
+                              cond_predict_scale=True), seed=1)
+    shapes = {key: tuple(value["shape"]) for key, value in shape_meta["obs"].items()}
+    policy = ImagePolicy(unet, DDIMScheduler(**SCHEDULER_CONFIG), "global", 8, SIZES, encoder, feature_dim, shapes)
+    return policy.to(device).eval(), shapes
+
+
+@pytest.mark.parametrize("device,channels_last", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                                  pytest.param("cuda", True, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cameras", [1, 3])
+def test_hybrid_configuration_runs_as_one_graph(cameras, device, channels_last):
+    """robomimic's encoder as Diffusion Policy's hybrid policy holds it: actions equal to the
+    policy's own for new observations and two batch sizes (NCHW: the same kernels, fp32
+    ACTION_TOLERANCE; channels-last, cuDNN's NHWC kernels, 1e-3); on CUDA one graph per batch
+    size holds the whole call, without a warning."""
+    reference, shapes = hybrid_policy(cameras, device)
+    accelerated = accelerate(copy.deepcopy(reference), encoder_channels_last=channels_last)
+    tolerance = 1e-3 if channels_last else ACTION_TOLERANCE
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for call, batch in enumerate([1, 2, 1]):
+            generator = torch.Generator().manual_seed(call)
+            obs = {key: (torch.rand if len(shape) == 3 else torch.randn)(batch, SIZES.n_obs_steps, *shape,
+                                                                          generator=generator).to(device)
+                   for key, shape in shapes.items()}
+            assert max_abs_difference(predict(accelerated, obs, call), predict(reference, obs, call)) <= tolerance
+    if device == "cuda":
+        assert not [w for w in caught if "CUDA graph" in str(w.message)]
+        whole = accelerated.predict_action
+        assert whole.refused is None and len(whole._graphs) == 2
+        assert accelerated.conditional_sample.sampler._graphs == {}
 
 
 @pytest.mark.gpu
