@@ -18,8 +18,15 @@ goals per observation), then prints, in one run on one GPU:
 
 --weights reads <unet>.pt files (scripts/train_synthetic.py --out) instead of training;
 --save writes the trained ones. Writes parallel.json and parallel.png to --out.
+
+--sms N runs it all on N of the GPU's SMs (a CUDA green context, tools/sm_budget.py, with the
+kernels' launch plans sized for them): a smaller GPU's compute, with the large GPU's memory
+bandwidth and caches. With --speed-only (the quality does not depend on the SMs):
+
+    for n in 16 32 64; do python scripts/benchmark_parallel.py --weights W --speed-only --sms $n --tag _$n; done
 """
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,11 +36,13 @@ from pathlib import Path
 import torch
 
 from diffusion_policy_accelerated import ConditionalUnet1D, Picard
+from diffusion_policy_accelerated.kernels.config import kernel_config
 from diffusion_policy_accelerated.model.configs import HORIZON, UNETS
 from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 from diffusion_policy_accelerated.tools import synthetic_task as task
 from diffusion_policy_accelerated.tools.profiling import (copy_bandwidth_gbs, median_ms, plot_grouped_bars,
                                                          read_bandwidth_gbs, wall_ms)
+from diffusion_policy_accelerated.tools.sm_budget import confine_to_sms
 
 # LeRobot 0.6's default horizon; Diffusion Policy's U-Nets run at 16.
 HORIZONS = {"lowdim": HORIZON, "image": HORIZON, "lerobot": 64}
@@ -210,12 +219,24 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: the same algorithm eagerly (slow; for a check without a GPU)")
     parser.add_argument("--quality-only", action="store_true", help="skip the speed table")
+    parser.add_argument("--speed-only", action="store_true", help="skip the quality table and the sweep")
+    parser.add_argument("--sms", type=int, help="run on this many of the GPU's SMs (a green context)")
     parser.add_argument("--tiny", action="store_true", help="small U-Nets of the same conditioning (a quick check)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.quality_only and args.speed_only:
+        parser.error("--quality-only and --speed-only leave nothing to run")
+    sms = None
+    if args.sms is not None:
+        if DEVICE != "cuda":
+            parser.error("--sms needs a GPU (--device cuda)")
+        try:
+            sms = confine_to_sms(args.sms)  # before anything creates a stream
+        except (ValueError, RuntimeError) as error:
+            parser.error(f"--sms {args.sms}: {error}")
     if args.tiny:
         for name in CONFIGS:
             CONFIGS[name] = dict(UNETS[name], down_dims=[32, 64, 128], diffusion_step_embed_dim=32)
@@ -225,18 +246,22 @@ def main():
     # a CPU's sum over a large buffer bytes read.
     bandwidth = copy_bandwidth_gbs() if DEVICE == "cuda" else read_bandwidth_gbs()
     print(f"{device_name()}  torch {torch.__version__}  copy bandwidth {bandwidth:.0f} GB/s  "
-          f"window {picard.window}, tolerance {picard.tolerance}", flush=True)
-    results = dict(copy_bandwidth_gbs=bandwidth, quality=[], speed=[], sweep=[])
-    for name in args.unet:
-        unet = trained_unet(name, args)
-        results["quality"] += quality(name, unet, picard, args)
-        if name in args.sweep_unet:
-            results["sweep"] += sweep(name, unet, args)
-        if not args.quality_only:
-            results["speed"] += speed(name, unet, picard, args, bandwidth)
-        del unet
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+          f"window {picard.window}, tolerance {picard.tolerance}"
+          + (f"  on {sms} of the GPU's {torch.cuda.get_device_properties(0).multi_processor_count} SMs" if sms else ""),
+          flush=True)
+    results = dict(copy_bandwidth_gbs=bandwidth, sms=sms, quality=[], speed=[], sweep=[])
+    with kernel_config(sm_count=sms) if sms else contextlib.nullcontext():
+        for name in args.unet:
+            unet = trained_unet(name, args)
+            if not args.speed_only:
+                results["quality"] += quality(name, unet, picard, args)
+                if name in args.sweep_unet:
+                    results["sweep"] += sweep(name, unet, args)
+            if not args.quality_only:
+                results["speed"] += speed(name, unet, picard, args, bandwidth)
+            del unet
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"parallel{args.tag}.json").write_text(json.dumps(results, indent=1))

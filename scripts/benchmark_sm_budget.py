@@ -22,7 +22,6 @@ GPU's where it is one) shows that the context does confine the work.
                                           [--schedule DDPM-100] [--out DIR]
 """
 import argparse
-import ctypes
 import json
 import subprocess
 import sys
@@ -35,26 +34,10 @@ from diffusion_policy_accelerated.kernels.config import kernel_config
 from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
 from diffusion_policy_accelerated.tools.profiling import median_ms
+from diffusion_policy_accelerated.tools.sm_budget import confine_to_sms
 from scripts.benchmark import SCHEDULES, graphed_pytorch_loop, loop_inputs
 
 METHODS = ("graph", "ours", "ours portable", "ours unplanned")
-
-
-def current_context_sms():
-    """SMs of the calling thread's current CUDA context (a green context's share), read
-    through the driver (cuCtxGetDevResource), or None where the driver lacks it."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        context = ctypes.c_void_p()
-        # CUdevResource: the type (4 bytes), 92 bytes the driver keeps, then the SM
-        # resource, whose first field is smCount; 144 bytes in all (cuda.h, resource ABI 1).
-        resource = (ctypes.c_ubyte * 256)()
-        if cuda.cuCtxGetCurrent(ctypes.byref(context)) != 0 or \
-                cuda.cuCtxGetDevResource(context, resource, 1) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return int.from_bytes(bytes(resource[96:100]), "little")
 
 
 def probe_ms():
@@ -76,18 +59,10 @@ def worker(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    got = device_sms
-    if args.worker < device_sms:
-        from torch.cuda.green_contexts import GreenContext
-
-        try:
-            context = GreenContext.create(args.worker, 0)
-        except RuntimeError as error:  # e.g. a budget the driver's SM granularity rounds past the device
-            raise SystemExit(f"no green context of {args.worker} SMs on this {device_sms}-SM GPU: {error}")
-        context.set_context()
-        got = current_context_sms()
-        if got is None:
-            raise SystemExit("the driver does not report the green context's SMs (cuCtxGetDevResource)")
+    try:
+        got = confine_to_sms(args.worker)
+    except RuntimeError as error:
+        raise SystemExit(str(error))
     print(f"  {args.worker} SMs asked, {got} given: probe", file=sys.stderr, flush=True)
     result = dict(sms_asked=args.worker, sms=got, device_sms=device_sms, probe_ms=probe_ms(), rows=[])
     scheduler_cls, steps = SCHEDULES[args.schedule]

@@ -14,22 +14,16 @@ import sys
 import torch
 
 from scripts.benchmark import SCHEDULES, loop_inputs
-from scripts.benchmark_sm_budget import current_context_sms
 
 from diffusion_policy_accelerated import ConditionalUnet1D, DenoiseSchedule
 from diffusion_policy_accelerated.model.configs import HORIZON, SCHEDULER_CONFIG, UNETS
 from diffusion_policy_accelerated.tools.profiling import median_ms
+from diffusion_policy_accelerated.tools.sm_budget import confine_to_sms
 from diffusion_policy_accelerated.kernels.config import KernelConfig, kernel_config
 
 
 def worker(budget, rule):
-    device_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    got, context = device_sms, None
-    if budget < device_sms:
-        from torch.cuda.green_contexts import GreenContext
-        context = GreenContext.create(budget, 0)  # the context lives as long as this object
-        context.set_context()
-        got = current_context_sms()
+    got = confine_to_sms(budget)
     from diffusion_policy_accelerated.sampling.sampler import GraphedSampler
     scheduler_cls, steps = SCHEDULES["DDPM-100"]
     schedule = DenoiseSchedule.from_diffusers(scheduler_cls(**SCHEDULER_CONFIG), steps).to("cuda")
