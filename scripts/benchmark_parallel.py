@@ -23,7 +23,7 @@ goals per observation), then prints, in one run on one GPU:
 kernels' launch plans sized for them): a smaller GPU's compute, with the large GPU's memory
 bandwidth and caches. With --speed-only (the quality does not depend on the SMs):
 
-    for n in 16 32 64; do python scripts/benchmark_parallel.py --weights W --speed-only --sms $n --tag _$n; done
+    for n in 16 32; do python scripts/benchmark_parallel.py --weights W --speed-only --sms $n --tag _$n; done
 """
 import argparse
 import contextlib

@@ -61,7 +61,7 @@ def worker(args):
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count
     try:
         got = confine_to_sms(args.worker)
-    except RuntimeError as error:
+    except (ValueError, RuntimeError) as error:
         raise SystemExit(str(error))
     print(f"  {args.worker} SMs asked, {got} given: probe", file=sys.stderr, flush=True)
     result = dict(sms_asked=args.worker, sms=got, device_sms=device_sms, probe_ms=probe_ms(), rows=[])

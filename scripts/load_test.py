@@ -25,8 +25,9 @@ the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`, 
 image U-Net, 512/1024/2048, or with `--image-unet small` the tests' small one, which shows what
 frames, the protocol and the encoders cost) with 1, then 3, cameras, each sent as uint8 frames
 [n_obs_steps, C, H, W]; `--lerobot-cameras 1 3` does the same for a LeRobot DiffusionPolicy
-folder in LeRobot's default configuration (Push-T's: 96 x 96 frames, crop 84 x 84, U-Net
-512/1024/2048), served through LeRobot's processors (`dpa serve --lerobot`; needs LeRobot).
+folder of LeRobot's Push-T configuration as 0.4 defaults it (96 x 96 frames, crop 84 x 84,
+horizon 16, one ResNet18 for the cameras, U-Net 512/1024/2048), served through LeRobot's
+processors (`dpa serve --lerobot`; needs LeRobot).
 Their rows add the bytes of one request. `--jpeg-quality Q` measures every row a second time
 on the same server with the cameras sent as JPEG of quality Q (the client encodes them). The
 frames are smooth random images (a camera's frames are smoother than noise, which JPEG cannot
@@ -50,6 +51,7 @@ import numpy as np
 from diffusion_policy_accelerated.serving import protocol
 from diffusion_policy_accelerated.serving.client import PolicyClient
 
+IMAGE_SIZE = (3, 96, 96)
 MALFORMED = [b"not safetensors", {"nan": True}, {"float64": True}, {"extra": True}]
 
 
@@ -101,9 +103,16 @@ def robot(url, requests, malformed_every, seed, start_at, jpeg_quality=None):
         return latencies, rows, compute, sent_bad, rejected, client.retries, time.time()
 
 
+def is_camera(input_spec):
+    """A camera input: uint8 frames [n_obs_steps, C, H, W] (what the client may send as JPEG)."""
+    return input_spec.dtype == "uint8" and len(input_spec.shape) == 4
+
+
 def observation(spec, rng):
-    """Fresh inputs of the spec: smooth uint8 frames for camera inputs, normal floats otherwise."""
-    return {name: smooth_frames(s.shape, rng) if s.dtype == "uint8"
+    """Fresh inputs of the spec: smooth frames for camera inputs, uniform bytes for other uint8
+    inputs, normal floats otherwise."""
+    return {name: smooth_frames(s.shape, rng) if is_camera(s)
+            else rng.integers(0, 256, s.shape, dtype=np.uint8) if s.dtype == "uint8"
             else rng.standard_normal(s.shape).astype(np.float32) for name, s in spec.inputs.items()}
 
 
@@ -122,7 +131,8 @@ def smooth_frames(shape, rng):
 
 
 def run_row(url, clients, requests, malformed_every, kill=None, jpeg_quality=None):
-    # fork: the clients need nothing but this module's imports (numpy, safetensors).
+    # fork: this process has not initialised CUDA (the server is another process); the clients
+    # use numpy and safetensors, and torch's CPU ops for JPEG.
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(clients, mp_context=context) as pool:
         start_at = time.time() + 1.0 + 0.02 * clients  # every process started and connected by then
@@ -182,7 +192,9 @@ def measure(args, label):
         with PolicyClient(url) as client:
             client.wait_ready(timeout=900)
             spec = client.spec
-            cameras = any(s.dtype == "uint8" for s in spec.inputs.values())
+            cameras = any(is_camera(s) for s in spec.inputs.values())
+            if args.jpeg_quality and not cameras:
+                print("the policy takes no camera frames: --jpeg-quality has nothing to encode", flush=True)
             encodings = [None] + ([args.jpeg_quality] if args.jpeg_quality and cameras else [])
             sizes = [len(client.request_body(observation(spec, np.random.default_rng(0)), None, q)) for q in encodings]
         print(f"serving {spec.info.get('policy')} ({spec.info.get('scheduler', '').upper()}-{spec.info.get('steps')}, "
@@ -241,7 +253,7 @@ def image_checkpoint(folder, cameras, args):
     from diffusion_policy_accelerated.model.configs import UNETS
 
     make_image_checkpoint = tests_helper("dp_image_checkpoint").make_image_checkpoint
-    c, h, w = args.image_size
+    c, h, w = args.image_size or IMAGE_SIZE
     crop = (h - h // 8, w - w // 8)  # DP's real-robot ratio (216 x 288 of 240 x 320)
     unet = None if args.image_unet == "small" else {
         k: v for k, v in UNETS["image"].items() if k not in ("input_dim", "global_cond_dim")}
@@ -252,8 +264,8 @@ def image_checkpoint(folder, cameras, args):
 
 
 def lerobot_folder(folder, cameras):
-    """A LeRobot DiffusionPolicy folder in LeRobot's default configuration with `cameras`
-    cameras and random weights (the tests' helper), its path."""
+    """A LeRobot DiffusionPolicy folder of Push-T's configuration with `cameras` cameras and
+    random weights (the tests' helper), its path."""
     import pathlib
 
     try:
@@ -278,12 +290,12 @@ def main(argv=None):
     what.add_argument("--lerobot", metavar="FOLDER", help="serve this LeRobot DiffusionPolicy folder instead")
     what.add_argument("--image-cameras", type=int, nargs="+", help="serve a random image checkpoint with this many "
                       "cameras (each count a run of its own), sent as uint8 frames")
-    what.add_argument("--lerobot-cameras", type=int, nargs="+", help="serve a random LeRobot folder (its default "
+    what.add_argument("--lerobot-cameras", type=int, nargs="+", help="serve a random LeRobot folder (Push-T's "
                       "configuration) with this many cameras (each count a run of its own)")
-    parser.add_argument("--image-size", type=int, nargs=3, default=[3, 96, 96], metavar=("C", "H", "W"),
-                        help="the image checkpoint's frames (default 3 96 96)")
-    parser.add_argument("--image-unet", choices=["pusht", "small"], default="pusht",
-                        help="the image checkpoint's U-Net: Push-T's (default) or the tests' small one")
+    parser.add_argument("--image-size", type=int, nargs=3, metavar=("C", "H", "W"),
+                        help="--image-cameras: the checkpoint's frames (default 3 96 96)")
+    parser.add_argument("--image-unet", choices=["pusht", "small"],
+                        help="--image-cameras: the checkpoint's U-Net, Push-T's (default) or the tests' small one")
     parser.add_argument("--jpeg-quality", type=int, help="measure each row again with the cameras sent as JPEG of "
                         "this quality (1-100)")
     parser.add_argument("--max-batch", type=int, default=64)
@@ -300,6 +312,8 @@ def main(argv=None):
     for option in ("image_cameras", "lerobot_cameras"):
         if getattr(args, option) and min(getattr(args, option)) < 1:
             parser.error(f"--{option.replace('_', '-')} takes positive counts")
+    if (args.image_size or args.image_unet) and not args.image_cameras:
+        parser.error("--image-size and --image-unet are for --image-cameras")
     if args.jpeg_quality is not None and not 1 <= args.jpeg_quality <= 100:
         parser.error(f"--jpeg-quality must be 1-100, got {args.jpeg_quality}")
 
@@ -317,9 +331,10 @@ def main(argv=None):
                 runs += measure(args, f"{cameras} camera{'s' if cameras > 1 else ''}")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        c, h, w = args.image_size if args.image_cameras else (3, 96, 96)
-        what = ("Diffusion Policy image policy" if args.image_cameras else "LeRobot DiffusionPolicy")
-        print(f"\n{what} from uint8 frames ({c} x {h} x {w}, a ResNet18 per camera), "
+        c, h, w = (args.image_size or IMAGE_SIZE) if args.image_cameras else (3, 96, 96)
+        what = ("Diffusion Policy image policy (a ResNet18 per camera)" if args.image_cameras
+                else "LeRobot DiffusionPolicy (one ResNet18 for the cameras)")
+        print(f"\n{what} from uint8 frames ({c} x {h} x {w}), "
               f"{runs[0][0].info.get('device_name')}:")
         print(f"{'cameras':>18} {'bytes/req':>10} {'clients':>7} {'chunks/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
         for _, run_rows in runs:
@@ -328,7 +343,8 @@ def main(argv=None):
                       f"{row['chunks_per_s']:>9.1f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}")
     else:
         runs += measure(args, None)
-    spec, rows = runs[-1]
+    # The summary row set and the plot: the last run with raw frames.
+    spec, rows = next(run for run in reversed(runs) if run[1][0]["jpeg_quality"] is None)
     with open(args.json, "w") as f:
         json.dump({"server": spec.to_json(), "ray_replicas": args.ray_replicas, "instances": args.instances,
                    "rows": rows, "runs": [{"server": sp.to_json(), "rows": rw} for sp, rw in runs]}, f, indent=1)

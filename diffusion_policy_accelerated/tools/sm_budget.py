@@ -38,6 +38,8 @@ def confine_to_sms(budget: int) -> int:
     device's own count where the budget covers the device (no green context then)."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"budget must be a positive number of SMs, got {budget!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("confining the work to some SMs needs a CUDA GPU, and none is visible")
     device_sms = torch.cuda.get_device_properties(0).multi_processor_count
     if budget >= device_sms:
         return device_sms

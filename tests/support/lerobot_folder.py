@@ -22,8 +22,8 @@ def camera_names(cameras):
 def make_folder(path, cameras=1, env_state=False, seed=0, small=True):
     """A LeRobot image policy of `cameras` cameras ([3, 96, 96] frames, crop 84 x 84) and a 2-dim
     state, random weights from `seed`, saved in `path`: the tests' small one, or, with
-    small=False, LeRobot's default configuration (Push-T's: U-Net 512/1024/2048, 32 keypoints,
-    DDPM-100) as it would come out of training."""
+    small=False, LeRobot's Push-T configuration as 0.4 defaults it (U-Net 512/1024/2048, 32
+    keypoints, DDPM-100, horizon 16, one ResNet18 with GroupNorm for the cameras)."""
     inputs = {"observation.state": PolicyFeature(type=FeatureType.STATE, shape=(2,))}
     for name in camera_names(cameras):
         inputs[name] = PolicyFeature(type=FeatureType.VISUAL, shape=FRAME)

@@ -118,3 +118,41 @@ def test_load_test_frames_are_smooth_uint8():
     assert frames.shape == (2, 3, 40, 56) and frames.dtype == np.uint8 and frames.std() > 20
     # Neighbouring pixels differ by little (noise, which JPEG cannot compress, would by ~85).
     assert np.abs(np.diff(frames.astype(int), axis=-1)).mean() < 12
+
+
+def test_load_test_serves_a_lerobot_folder_from_frames(tmp_path):
+    """--lerobot-cameras: a LeRobot folder of Push-T's configuration (its full-size U-Net, one
+    DDPM step here) served from camera frames by a real `dpa serve --lerobot` process; the
+    summary rows are the raw frames' (the JPEG run comes after them)."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("lerobot.policies.diffusion.modeling_diffusion")
+    from scripts import load_test
+    from tests.support.serve_process import free_port
+
+    out = tmp_path / "load_test.json"
+    load_test.main(["--lerobot-cameras", "1", "--clients", "1", "--requests", "1", "--steps", "1", "--dtype",
+                    "float32", "--max-batch", "1", "--jpeg-quality", "80", "--port", str(free_port()),
+                    "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["server"]["policy"].startswith("LeRobot")
+    assert [run["rows"][0]["jpeg_quality"] for run in result["runs"]] == [None, 80]
+    assert result["rows"][0]["jpeg_quality"] is None and result["rows"][0]["actions"] == 1
+
+
+@pytest.mark.parametrize("budget", [0, -3, 2.5, True])
+def test_sm_budgets_must_be_positive_integers(budget):
+    from diffusion_policy_accelerated.tools.sm_budget import confine_to_sms
+
+    with pytest.raises(ValueError, match="budget must be a positive number of SMs"):
+        confine_to_sms(budget)
+
+
+def test_an_sm_budget_without_a_gpu_says_so():
+    import torch
+
+    from diffusion_policy_accelerated.tools.sm_budget import confine_to_sms
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        confine_to_sms(16)
