@@ -202,9 +202,11 @@ def test_image_policy_whole_graph_with_a_channels_last_encoder(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cameras", [1, 3])
 def test_resize_and_crop_run_in_one_graph(device, cameras):
-    """LeRobot's resize_shape and crop_shape (torchvision's Resize and CenterCrop in eval) with one
-    and three cameras: LeRobot's actions, and on CUDA one graph, captured without a warning."""
-    reference = make_policy(image=True, cameras=cameras, resize_shape=(80, 80), crop_shape=(72, 72), device=device)
+    """LeRobot's resize_shape and crop_ratio (torchvision's Resize and CenterCrop in eval; with a
+    resize, LeRobot derives the crop from the ratio and ignores crop_shape) with one and three
+    cameras: LeRobot's actions, and on CUDA one graph, captured without a warning."""
+    reference = make_policy(image=True, cameras=cameras, resize_shape=(80, 80), crop_ratio=0.9, device=device)
+    assert reference.config.crop_shape == (72, 72)  # the crop is there to be captured
     policy = dpa.accelerate(copy.deepcopy(reference))
     obs = observations(reference, 2, device)
     noise = torch.randn(2, 16, 2).to(device)
