@@ -22,17 +22,17 @@ Writes a JSON and, with `--plot`, a figure.
 
 `--image-cameras 1 3` serves, instead, a Diffusion Policy image checkpoint (random weights:
 the real-robot encoder configuration, a ResNet18 per camera, at `--image-size`, and Push-T's
-image U-Net, 512/1024/2048, or with `--image-unet small` the tests' small one, which shows what
-frames, the protocol and the encoders cost) with 1, then 3, cameras, each sent as uint8 frames
-[n_obs_steps, C, H, W]; `--lerobot-cameras 1 3` does the same for a LeRobot DiffusionPolicy
-folder of LeRobot's Push-T configuration as 0.4 defaults it (96 x 96 frames, crop 84 x 84,
-horizon 16, one ResNet18 for the cameras, U-Net 512/1024/2048), served through LeRobot's
-processors (`dpa serve --lerobot`; needs LeRobot).
-Their rows add the bytes of one request. `--jpeg-quality Q` measures every row a second time
-on the same server with the cameras sent as JPEG of quality Q (the client encodes them). The
-frames are smooth random images (a camera's frames are smoother than noise, which JPEG cannot
-compress). Those policies are built with the tests' helpers (tests/support), so these options
-run from the repository's root as a module (`python -m scripts.load_test`).
+image U-Net, 512/1024/2048, or with `--image-unet small` the tests' small one, which shows
+what frames, the protocol and the encoders cost) with 1, then 3, cameras, each sent as uint8
+frames [n_obs_steps, C, H, W]; `--lerobot-cameras 1 3` does the same for a LeRobot
+DiffusionPolicy folder of LeRobot's Push-T configuration as 0.4 defaults it (96 x 96 frames,
+crop 84 x 84, horizon 16, one ResNet18 for the cameras, U-Net 512/1024/2048), served through
+LeRobot's processors (`dpa serve --lerobot`; needs LeRobot). Their rows add the bytes of one
+request. `--jpeg-quality Q` measures every row a second time on the same server with the
+cameras sent as JPEG of quality Q (the client encodes them). The frames are smooth random
+images (a camera's frames are smoother than noise, which JPEG cannot compress). Those policies
+are built with the tests' helpers (tests/support), so these options run from the repository's
+root as a module (`python -m scripts.load_test`).
 """
 import argparse
 import concurrent.futures
