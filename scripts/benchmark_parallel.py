@@ -269,7 +269,8 @@ def main():
     if rows:
         plot_grouped_bars(rows, ("unet", "schedule", "dtype", "batch"), lambda u, s, d, b: f"{u}\n{s}\n{d} B={b}",
                           "ms_per_action", "ms per action chunk (log)",
-                          f"Sequential vs parallel (Picard) sampling, {rows[0]['device']}", out / f"parallel{args.tag}.png")
+                          f"Sequential vs parallel (Picard) sampling, {rows[0]['device']}"
+                          + (f", {sms} SMs" if sms else ""), out / f"parallel{args.tag}.png")
 
 
 if __name__ == "__main__":
