@@ -191,15 +191,21 @@ def build_obs_encoder(policy_cfg: Mapping, state: Mapping[str, torch.Tensor]) ->
         raise ValueError(f"cfg.policy.obs_encoder has arguments {unknown} that {ENCODER_CLASS} does not take")
     options = {k: cfg.get(k, default) for k, default in ENCODER_DEFAULTS.items()}
     shape_meta = cfg["shape_meta"] if "shape_meta" in cfg else policy_cfg.get("shape_meta")
-    encoder = ObsEncoder(shape_meta, cfg["rgb_model"], **options)
+    return load_encoder_weights(ObsEncoder(shape_meta, cfg["rgb_model"], **options), state,
+                                f"{ENCODER_CLASS}, {options}")
+
+
+def load_encoder_weights(encoder: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> nn.Module:
+    """`encoder` with the checkpoint's obs_encoder weights loaded strictly, in eval mode; a
+    ValueError naming `what` (the encoder the config describes) where they do not fit."""
     try:
         result = encoder.load_state_dict(dict(state), strict=False)
     except RuntimeError as error:  # a weight of another shape
         raise ValueError(f"the checkpoint's obs_encoder weights do not fit the encoder its config describes "
-                         f"({ENCODER_CLASS}, {options}): {error}") from error
+                         f"({what}): {error}") from error
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"the checkpoint's obs_encoder weights do not fit the encoder its config describes "
-                         f"({ENCODER_CLASS}, {options}): missing {_listed(result.missing_keys)}, unexpected "
+                         f"({what}): missing {_listed(result.missing_keys)}, unexpected "
                          f"{_listed(result.unexpected_keys)}")
     return encoder.eval()
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .dp_encoder import _group_norm, _listed, obs_keys
+from .dp_encoder import _group_norm, load_encoder_weights, obs_keys
 
 __all__ = ["HybridObsEncoder", "build_hybrid_obs_encoder"]
 
@@ -168,14 +168,4 @@ def build_hybrid_obs_encoder(policy_cfg: Mapping, state: Mapping[str, torch.Tens
                       stacklevel=2)
     encoder = HybridObsEncoder(policy_cfg.get("shape_meta"), crop_shape=crop,
                                obs_encoder_group_norm=bool(options["obs_encoder_group_norm"]))
-    what = f"robomimic's ObservationEncoder of {HYBRID_POLICY}, {options}"
-    try:
-        result = encoder.load_state_dict(dict(state), strict=False)
-    except RuntimeError as error:  # a weight of another shape
-        raise ValueError(f"the checkpoint's obs_encoder weights do not fit the encoder its config describes "
-                         f"({what}): {error}") from error
-    if result.missing_keys or result.unexpected_keys:
-        raise ValueError(f"the checkpoint's obs_encoder weights do not fit the encoder its config describes "
-                         f"({what}): missing {_listed(result.missing_keys)}, unexpected "
-                         f"{_listed(result.unexpected_keys)}")
-    return encoder.eval()
+    return load_encoder_weights(encoder, state, f"robomimic's ObservationEncoder of {HYBRID_POLICY}, {options}")
