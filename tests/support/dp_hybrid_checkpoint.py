@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from tests.adapters.test_checkpoint import ACTION_DIM, SMALL_UNET, save_workspace, scheduler_cfg
 from tests.support.dp_image_checkpoint import unet_and_state
+from tests.support.dp_policies import replace_submodules
 
 POLICY_TARGET = "diffusion_policy.policy.diffusion_unet_hybrid_image_policy.DiffusionUnetHybridImagePolicy"
 CAMERA_SHAPE = (3, 40, 48)
@@ -22,27 +23,6 @@ def hybrid_shape_meta(cameras, camera_shape=CAMERA_SHAPE):
         if i == 0:
             obs["gripper_qpos"] = {"shape": [2]}  # type defaults to low_dim
     return {"obs": obs, "action": {"shape": [ACTION_DIM]}}
-
-
-def replace_submodules(root_module, predicate, func):
-    """Diffusion Policy's diffusion_policy/common/pytorch_util.py replace_submodules."""
-    if predicate(root_module):
-        return func(root_module)
-    bn_list = [k.split('.') for k, m in root_module.named_modules(remove_duplicate=True) if predicate(m)]
-    for *parent, k in bn_list:
-        parent_module = root_module
-        if len(parent) > 0:
-            parent_module = root_module.get_submodule('.'.join(parent))
-        if isinstance(parent_module, nn.Sequential):
-            src_module = parent_module[int(k)]
-        else:
-            src_module = getattr(parent_module, k)
-        tgt_module = func(src_module)
-        if isinstance(parent_module, nn.Sequential):
-            parent_module[int(k)] = tgt_module
-        else:
-            setattr(parent_module, k, tgt_module)
-    return root_module
 
 
 class DPCropRandomizer(nn.Module):

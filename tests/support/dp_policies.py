@@ -174,15 +174,32 @@ def get_resnet18():
     return model
 
 
+def replace_submodules(root_module, predicate, func):
+    """Diffusion Policy's diffusion_policy/common/pytorch_util.py replace_submodules."""
+    if predicate(root_module):
+        return func(root_module)
+    bn_list = [k.split('.') for k, m in root_module.named_modules(remove_duplicate=True) if predicate(m)]
+    for *parent, k in bn_list:
+        parent_module = root_module
+        if len(parent) > 0:
+            parent_module = root_module.get_submodule('.'.join(parent))
+        if isinstance(parent_module, nn.Sequential):
+            src_module = parent_module[int(k)]
+        else:
+            src_module = getattr(parent_module, k)
+        tgt_module = func(src_module)
+        if isinstance(parent_module, nn.Sequential):
+            parent_module[int(k)] = tgt_module
+        else:
+            setattr(parent_module, k, tgt_module)
+    return root_module
+
+
 def batch_norm_to_group_norm(model):
     """Every BatchNorm2d of `model` replaced by a GroupNorm of channels // 16 groups, in place
-    (Diffusion Policy's replace_submodules with use_group_norm)."""
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.BatchNorm2d):
-            owner, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(owner) if owner else model, attribute,
-                    nn.GroupNorm(module.num_features // 16, module.num_features))
-    return model
+    (Diffusion Policy's use_group_norm)."""
+    return replace_submodules(model, lambda x: isinstance(x, nn.BatchNorm2d),
+                              lambda x: nn.GroupNorm(num_groups=x.num_features // 16, num_channels=x.num_features))
 
 
 class CropRandomizer(nn.Module):
