@@ -514,3 +514,10 @@ def test_parallel_demo_policy_is_served_with_its_settings():
 def test_bad_client_options(kwargs, text):
     with pytest.raises(ValueError, match=__import__("re").escape(text)):
         PolicyClient(**{"url": "http://127.0.0.1:1", **kwargs})
+
+
+@pytest.mark.parametrize("body", ["a string", {"camera_0": 1}, None])
+def test_act_body_takes_only_the_bytes_request_body_makes(body):
+    with PolicyClient("http://127.0.0.1:1") as client:  # refused before anything is sent
+        with pytest.raises(TypeError, match="body must be the bytes request_body returns"):
+            client.act_body(body)

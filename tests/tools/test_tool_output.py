@@ -156,3 +156,35 @@ def test_an_sm_budget_without_a_gpu_says_so():
         pytest.skip("a GPU is visible")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         confine_to_sms(16)
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--jpeg-quality", "0"], "--jpeg-quality must be 1-100, got 0"),
+    (["--jpeg-quality", "101"], "--jpeg-quality must be 1-100, got 101"),
+    (["--image-unet", "small"], "--image-size and --image-unet are for --image-cameras"),
+    (["--lerobot-cameras", "1", "--image-size", "3", "64", "64"], "--image-size and --image-unet are for"),
+    (["--image-cameras", "0"], "--image-cameras takes positive counts"),
+    (["--image-cameras", "1", "--lerobot-cameras", "1"], "not allowed with argument"),
+    (["--kill-replica"], "--kill-replica needs --ray-replicas"),
+])
+def test_load_test_refuses_bad_options(argv, text, capsys):
+    from scripts import load_test
+
+    with pytest.raises(SystemExit) as exit_:
+        load_test.main(argv)
+    assert exit_.value.code == 2 and text in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--sms", "16", "--device", "cpu"], "--sms needs a GPU (--device cuda)"),
+    (["--quality-only", "--speed-only"], "--quality-only and --speed-only leave nothing to run"),
+])
+def test_benchmark_parallel_refuses_bad_options(argv, text):
+    import os
+    import subprocess
+    import sys
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_parallel.py"), *argv],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 2 and text in done.stderr
