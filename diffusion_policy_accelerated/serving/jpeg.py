@@ -25,7 +25,8 @@ def _torchvision_io():
         import torch
         from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
     except ImportError as error:
-        raise ImportError(f"JPEG camera frames need torch and torchvision ({error}): pip install torchvision") from error
+        raise ImportError(f"JPEG camera frames need torch and torchvision ({error}): pip install torchvision") \
+            from error
     return torch, decode_jpeg, encode_jpeg, ImageReadMode
 
 

@@ -34,17 +34,18 @@ Predict = Callable[[Dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class PolicySource:
-    """Where a served policy comes from. `kind`: 'demo' (the demo's lowdim Push-T U-Net with
-    random weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
+    """Where a served policy comes from. `kind`: 'demo' (the demo's lowdim Push-T U-Net with random
+    weights, seed 0; global_cond in, the whole 16-step trajectory out), 'checkpoint' (a
     Diffusion Policy workspace .ckpt: raw lowdim observations in, an image policy's camera
     frames (uint8) and low-dim observations (the hybrid image policy's too), or, where the
-    encoder cannot be rebuilt, its encoder features), or 'lerobot' (a LeRobot pretrained
-    folder: LeRobot's normalised global condition in, normalised actions out; a folder with cameras: camera frames (uint8) and
-    state in, unnormalised actions out, with LeRobot installed (lerobot_policy.py), or, with
-    `lerobot_global_cond`, the global condition as without cameras). `steps` overrides the number of denoising steps;
-    `scheduler` ('ddpm' / 'ddim') is the demo's; `parallel_window` (None: sequential) samples by
-    Picard iteration with that window and `parallel_tolerance` (sampling/picard.py);
-    `check_finite`: the server's non-finite guard (ServedPolicy)."""
+    encoder cannot be rebuilt, its encoder features), or 'lerobot' (a LeRobot pretrained folder:
+    LeRobot's normalised global condition in, normalised actions out; a folder with cameras:
+    camera frames (uint8) and state in, unnormalised actions out, with LeRobot installed
+    (lerobot_policy.py), or, with `lerobot_global_cond`, the global condition as without
+    cameras). `steps` overrides the number of denoising steps; `scheduler` ('ddpm' / 'ddim') is
+    the demo's; `parallel_window` (None: sequential) samples by Picard iteration with that
+    window and `parallel_tolerance` (sampling/picard.py); `check_finite`: the server's
+    non-finite guard (ServedPolicy)."""
     kind: str = "demo"
     path: Optional[str] = None
     device: Optional[str] = None
